@@ -1,0 +1,341 @@
+"""Capture a plain training step as one functional aten graph (``OpGraph``).
+
+The user writes ``train_step(model, optimizer, batch)``: zero_grad, forward,
+loss, ``loss.backward()``, ``optimizer.step()``, return loss. We trace it in
+two passes, both on fake tensors (no memory for weights, so a GPT-39B can be
+captured on a laptop; a model built on the ``meta`` device works too):
+
+1. ``make_fx`` runs the user's function with the module's parameters swapped
+   for traced leaves (``_reparametrize_module``). Real autograd runs, so the
+   backward operators are recorded. The optimizer the step receives is a
+   stand-in whose ``step()`` applies the functional twin of the user's
+   optimizer (``alpa_torch.optim``) to the traced leaves, and each gradient is
+   passed through the identity marker ``alpa.grad`` when ``.backward()``
+   returns, so the gradient boundary stays visible in the graph.
+2. ``functionalize`` re-traces that graph: in-place ops (BatchNorm's running
+   statistics, ``clip_grad_norm_``'s scaling, ``x += y``) become pure ops whose
+   results are graph outputs.
+
+What this module does not do: decide shardings or stages (``intra_ilp``,
+``stage_dp``), or run anything distributed (``runtime``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.utils.stateless import _reparametrize_module
+
+from . import optim as fopt
+from .errors import CaptureError, DataDependentControlFlowError, LossError, UnsupportedOperatorError
+from .graph import IOSpec, OpGraph
+from .graph_facts import build_nodes
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+
+@torch.library.custom_op("alpa::grad", mutates_args=())
+def grad_marker(grad: torch.Tensor, index: int) -> torch.Tensor:
+    """Identity marking the gradient of parameter number ``index``."""
+    return grad.clone()
+
+
+@grad_marker.register_fake
+def _(grad, index):
+    return torch.empty_like(grad)
+
+
+GRAD_MARKER = torch.ops.alpa.grad.default
+
+
+def _batch_norm_as_legit(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    # native_batch_norm mutates its running stats without saying so in its
+    # schema; _native_batch_norm_legit declares the mutation, so functionalize
+    # turns it into outputs. Same kernel, same numbers.
+    if running_mean is None:
+        return aten._native_batch_norm_legit.no_stats(input, weight, bias, training, momentum, eps)
+    return aten._native_batch_norm_legit.default(
+        input, weight, bias, running_mean, running_var, training, momentum, eps
+    )
+
+
+_DECOMPOSITIONS = {aten.native_batch_norm.default: _batch_norm_as_legit}
+
+
+class _StepOptimizer:
+    """What ``train_step`` receives as its optimizer during capture."""
+
+    def __init__(self, functional: fopt.FunctionalOptimizer, leaves, states, scalars):
+        self._functional = functional
+        self._leaves = leaves
+        self._states = states
+        self._scalars = scalars
+        self.new_params: dict[str, torch.Tensor] | None = None
+        self.new_states: dict[str, dict] = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for leaf in self._leaves.values():
+            leaf.grad = None
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise CaptureError("optimizer.step(closure) is not supported; call loss.backward() then optimizer.step()")
+        f = self._functional
+        self.new_params = {}
+        for name in f.names:
+            leaf = self._leaves[name]
+            if leaf.grad is None:  # torch.optim skips parameters without a gradient
+                self.new_states[name] = self._states[name]
+                continue
+            gi = f.group_of[name]
+            scalars = {k.split(".", 1)[1]: v for k, v in self._scalars.items() if k.startswith(f"g{gi}.")}
+            p, s = fopt.update(f.groups[gi], leaf.detach(), leaf.grad, self._states[name], scalars)
+            self.new_params[name] = p
+            self.new_states[name] = s
+
+    def __getattr__(self, item):  # param_groups, state, defaults...: the user's optimizer
+        return getattr(self._functional.optimizer, item)
+
+
+@contextlib.contextmanager
+def _marking_backward(leaves: dict[str, torch.Tensor], order: list[str]):
+    """Patch Tensor.backward so each gradient passes through ``alpa.grad`` afterwards."""
+    original = torch.Tensor.backward
+    index = {n: i for i, n in enumerate(order)}
+
+    def backward(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        for name, leaf in leaves.items():
+            if leaf.grad is not None:
+                leaf.grad = grad_marker(leaf.grad, index[name])
+
+    torch.Tensor.backward = backward
+    try:
+        yield
+    finally:
+        torch.Tensor.backward = original
+
+
+def _user_frame(exc: BaseException) -> str:
+    """The deepest traceback frame outside torch and alpa-torch: the user's line."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    torch_dir = os.path.dirname(torch.__file__)
+    best = ""
+    for frame in traceback.extract_tb(exc.__traceback__):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith(torch_dir) and not path.startswith(os.path.join(here, "alpa_torch")):
+            best = f'{frame.filename}:{frame.lineno}: {(frame.line or "").strip()}'
+    return best or "<unknown line>"
+
+
+class _Inputs:
+    """Flat graph inputs (example values) and their specs, in graph order."""
+
+    def __init__(self):
+        self.specs: list[tuple[str, str]] = []
+        self.values: list[torch.Tensor] = []
+
+    def add(self, kind: str, name: str, value: torch.Tensor) -> None:
+        self.specs.append((kind, name))
+        self.values.append(value)
+
+    def slice(self, kind: str) -> range:
+        idx = [i for i, (k, _) in enumerate(self.specs) if k == kind]
+        return range(idx[0], idx[-1] + 1) if idx else range(0)
+
+
+def _collect_inputs(model, functional, batch_leaves, step) -> _Inputs:
+    ins = _Inputs()
+    for name, p in model.named_parameters():
+        ins.add("param", name, p.detach())
+    for name, b in model.named_buffers():
+        ins.add("buffer", name, b.detach())
+    params = dict(model.named_parameters())
+    for name in functional.names:
+        for key, value in functional.initial_state(name, params[name]).items():
+            ins.add("opt_state", f"{name}.{key}", value)
+    for key, value in functional.host_scalars(step).items():
+        ins.add("host_scalar", key, torch.tensor(value, dtype=torch.float64))
+    for i, leaf in enumerate(batch_leaves):
+        if isinstance(leaf, torch.Tensor):
+            ins.add("batch", f"batch.{i}", leaf)
+    return ins
+
+
+def _make_step_fn(train_step, model, functional, ins: _Inputs, batch_leaves, batch_spec):
+    """The pure function of flat inputs that pass 1 traces."""
+    names = [n for k, n in ins.specs]
+    param_names = [n for k, n in ins.specs if k == "param"]
+    buffer_names = [n for k, n in ins.specs if k == "buffer"]
+    requires_grad = {n: p.requires_grad for n, p in model.named_parameters()}
+
+    def step_fn(*flat):
+        by_name = dict(zip(names, flat))
+        leaves = {n: by_name[n].detach().requires_grad_(requires_grad[n]) for n in param_names}
+        buffers = {n: by_name[n] for n in buffer_names}
+        states = {p: {k: by_name[f"{p}.{k}"] for k in functional.state_names(p)} for p in functional.names}
+        scalars = {n: by_name[n] for k, n in ins.specs if k == "host_scalar"}
+        batch_iter = iter(by_name[f"batch.{i}"] if isinstance(v, torch.Tensor) else v for i, v in enumerate(batch_leaves))
+        batch = pytree.tree_unflatten(list(batch_iter), batch_spec)
+        shim = _StepOptimizer(functional, {n: leaves[n] for n in functional.names}, states, scalars)
+        with _reparametrize_module(model, {**leaves, **buffers}, tie_weights=True):
+            with _marking_backward(shim._leaves, functional.names):
+                loss = train_step(model, shim, batch)
+            new_buffers = [b for _, b in model.named_buffers()]
+        _check_loss(loss)
+        if shim.new_params is None:
+            raise CaptureError(
+                "train_step never called optimizer.step() on the optimizer it was given; "
+                "call optimizer.step() after loss.backward() (use the `optimizer` argument, not a global)"
+            )
+        if not shim.new_params and functional.names:
+            raise CaptureError("no parameter received a gradient: call loss.backward() before optimizer.step()")
+        new_params = [shim.new_params.get(n, leaves[n].detach()) for n in param_names]
+        new_states = [shim.new_states[p][k] for p in functional.names for k in functional.state_names(p)]
+        return [loss.detach()] + new_params + new_buffers + new_states
+
+    return step_fn
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor):
+        raise LossError(
+            f"train_step returned {type(loss).__name__}, not the loss tensor; end the step with `return loss`"
+        )
+    if loss.numel() != 1 or not loss.dtype.is_floating_point:
+        raise LossError(
+            f"train_step returned a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}; "
+            "it must return one floating-point scalar loss (reduce it, e.g. loss.mean())"
+        )
+
+
+def _fake_inputs(mode: FakeTensorMode, values: list[torch.Tensor]) -> list[torch.Tensor]:
+    out = []
+    for t in values:
+        if t.device.type == "meta":  # weights without memory: plan-only capture
+            with mode:
+                out.append(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu"))
+        else:
+            out.append(mode.from_tensor(t))
+    return out
+
+
+def _trace(step_fn, fake_values, mode):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    # The math SDPA backend decomposes into shardable matmul/softmax ops
+    # (the CPU flash kernel has no sharding strategy: FINDINGS.md).
+    with mode, sdpa_kernel(SDPBackend.MATH):
+        gm = make_fx(step_fn, decomposition_table=_DECOMPOSITIONS)(*fake_values)
+        gm = make_fx(torch.func.functionalize(gm, remove="mutations"))(*fake_values)
+    return gm
+
+
+def _translate_trace_error(exc: BaseException) -> Exception | None:
+    where = _user_frame(exc)
+    if isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException)) or "data-dependent" in str(exc):
+        return DataDependentControlFlowError(
+            f"the step depends on tensor values at {where} (Python control flow, .item(), or a "
+            "data-dependent shape), so it has no single static graph; compute on tensors instead "
+            "(torch.where, masks) or move the decision outside train_step"
+        )
+    if isinstance(exc, UnsupportedOperatorException):
+        return UnsupportedOperatorError(
+            f"operator {exc.func} at {where} cannot be traced (no meta/fake kernel); replace it with "
+            "standard torch operators or register a fake implementation with torch.library"
+        )
+    return None
+
+
+def _cleanup(gm: fx.GraphModule) -> None:
+    """Drop identity ops and the copies functionalize adds back into inputs."""
+    g = gm.graph
+    for node in list(g.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in (aten.detach.default, aten.alias.default):
+            node.replace_all_uses_with(node.args[0])
+            g.erase_node(node)
+        elif node.target is aten.copy_.default and node.args[0].op == "placeholder" and not node.users:
+            g.erase_node(node)
+    g.eliminate_dead_code()
+    gm.recompile()
+
+
+def capture(
+    train_step: Callable, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any
+) -> OpGraph:
+    """Trace ``train_step(model, optimizer, batch)`` into an ``OpGraph``.
+
+    Nothing is executed for real: the model, optimizer and batch are only read.
+    """
+    t0 = time.perf_counter()
+    param_ids = {id(p): n for n, p in model.named_parameters()}
+    functional = fopt.FunctionalOptimizer(optimizer, param_ids)
+    step = functional.step_count() + 1
+    batch_leaves, batch_spec = pytree.tree_flatten(batch)
+    ins = _collect_inputs(model, functional, batch_leaves, step)
+    step_fn = _make_step_fn(train_step, model, functional, ins, batch_leaves, batch_spec)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_values = _fake_inputs(mode, ins.values)
+    try:
+        gm = _trace(step_fn, fake_values, mode)
+    except CaptureError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - translated into a user-facing error
+        translated = _translate_trace_error(exc)
+        if translated is None:
+            raise CaptureError(f"tracing train_step failed at {_user_frame(exc)}: {type(exc).__name__}: {exc}") from exc
+        raise translated from exc
+    _cleanup(gm)
+    graph = _assemble(gm, ins, functional, model)
+    graph.meta.update(
+        capture_s=time.perf_counter() - t0, model=type(model).__name__,
+        optimizer=type(optimizer).__name__, step=step,
+        batch_shapes=[tuple(v.shape) for (k, _), v in zip(ins.specs, ins.values) if k == "batch"],
+    )
+    log.info("captured %s in %.2f s", graph.summary(), graph.meta["capture_s"])
+    return graph
+
+
+def _assemble(gm: fx.GraphModule, ins: _Inputs, functional, model) -> OpGraph:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert len(placeholders) == len(ins.specs), "placeholder count differs from inputs"
+    inputs = tuple(
+        IOSpec(kind, name, tuple(v.shape), str(v.dtype).removeprefix("torch."), ph.name)
+        for (kind, name), v, ph in zip(ins.specs, ins.values, placeholders)
+    )
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    returned = pytree.tree_leaves(out_node.args[0])
+    kinds = (
+        [("loss", "loss")]
+        + [("param", n) for k, n in ins.specs if k == "param"]
+        + [("buffer", n) for k, n in ins.specs if k == "buffer"]
+        + [("opt_state", f"{p}.{s}") for p in functional.names for s in functional.state_names(p)]
+    )
+    assert len(returned) == len(kinds), "output count differs from expectation"
+    outputs = tuple(
+        IOSpec(kind, name, tuple(r.meta["val"].shape), str(r.meta["val"].dtype).removeprefix("torch."), r.name)
+        for (kind, name), r in zip(kinds, returned)
+    )
+    nodes, grad_of = build_nodes(gm, inputs, outputs, functional.names, GRAD_MARKER)
+    return OpGraph(
+        gm=gm, inputs=inputs, outputs=outputs, nodes=nodes, grad_of=grad_of,
+        param_groups=dict(functional.group_of),
+    )

@@ -1,0 +1,51 @@
+"""Exceptions raised to users of alpa-torch.
+
+Every error says what was wrong (with the offending value) and what to do.
+Internal invariants use ``assert``; anything a user can cause raises one of these.
+"""
+
+from __future__ import annotations
+
+
+class AlpaTorchError(Exception):
+    """Base class of every error alpa-torch raises on purpose."""
+
+
+class ClusterSpecError(AlpaTorchError, ValueError):
+    """A cluster or device description is invalid (zero devices, bad bandwidth, ...)."""
+
+
+class CaptureError(AlpaTorchError):
+    """The training step could not be captured as one static graph."""
+
+
+class DataDependentControlFlowError(CaptureError):
+    """The step branches on tensor values, so no single static graph describes it."""
+
+
+class LossError(CaptureError):
+    """The step does not return one scalar loss tensor."""
+
+
+class UnsupportedOperatorError(CaptureError):
+    """An operator cannot be traced or executed."""
+
+
+class InfeasibleMemoryError(AlpaTorchError):
+    """No plan fits in device memory; ``required_bytes`` is the smallest need found."""
+
+    def __init__(self, message: str, required_bytes: float | None = None):
+        super().__init__(message)
+        self.required_bytes = required_bytes
+
+
+class PlanError(AlpaTorchError, ValueError):
+    """A plan (forced, loaded or found) is invalid for this model or cluster."""
+
+
+class BatchSplitError(AlpaTorchError, ValueError):
+    """The batch does not split into the requested microbatches or shards."""
+
+
+class WorkerError(AlpaTorchError, RuntimeError):
+    """A worker failed or died while running a step."""

@@ -1,0 +1,212 @@
+"""Functional twins of ``torch.optim`` SGD, Adam and AdamW.
+
+Why: ``torch.optim`` cannot be traced into a graph on CPU (FINDINGS.md:
+``.item()`` on the step count, ``capturable`` refused for CPU tensors), so the
+captured step replaces ``optimizer.step()`` by these functions. They follow the
+single-tensor code path of torch 2.13 (``torch/optim/sgd.py``,
+``torch/optim/adam.py``) operation by operation; tests check them against
+``torch.optim`` on every zoo model.
+
+Values that change from step to step or that a learning-rate scheduler may
+change (``lr``, Adam's bias corrections) are not baked into the graph: they are
+*host scalars*, computed here on the driver each step from the user's
+``param_groups`` and fed to the graph as 0-dim float64 tensors. Constants of a
+group (betas, eps, momentum, weight decay) are baked in; changing one of those
+after capture is detected by ``FunctionalOptimizer.check_unchanged``.
+
+This module owns the maths only; ``capture`` decides where it is called.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from .errors import CaptureError
+
+_SUPPORTED = ("SGD", "Adam", "AdamW")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupConfig:
+    """The constant hyper-parameters of one ``param_group``."""
+
+    kind: str
+    """'sgd' or 'adam' (AdamW is 'adam' with ``decoupled=True``)."""
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    maximize: bool = False
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    amsgrad: bool = False
+    decoupled: bool = False
+    """AdamW-style decay ``param *= 1 - lr * weight_decay``."""
+
+
+def _group_config(optimizer: torch.optim.Optimizer, group: Mapping) -> GroupConfig:
+    name = type(optimizer).__name__
+    if name == "SGD":
+        return GroupConfig(
+            kind="sgd", momentum=float(group["momentum"]), dampening=float(group["dampening"]),
+            nesterov=bool(group["nesterov"]), weight_decay=float(group["weight_decay"]),
+            maximize=bool(group["maximize"]),
+        )
+    beta1, beta2 = (float(b) for b in group["betas"])
+    return GroupConfig(
+        kind="adam", weight_decay=float(group["weight_decay"]), maximize=bool(group["maximize"]),
+        beta1=beta1, beta2=beta2, eps=float(group["eps"]), amsgrad=bool(group["amsgrad"]),
+        decoupled=bool(group.get("decoupled_weight_decay", name == "AdamW")),
+    )
+
+
+def state_names(cfg: GroupConfig) -> tuple[str, ...]:
+    """Names of the per-parameter state tensors, as in ``optimizer.state[p]``."""
+    if cfg.kind == "sgd":
+        return ("momentum_buffer",) if cfg.momentum != 0 else ()
+    return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if cfg.amsgrad else ("exp_avg", "exp_avg_sq")
+
+
+def host_scalar_names(cfg: GroupConfig) -> tuple[str, ...]:
+    if cfg.kind == "sgd":
+        return ("neg_lr", "first_step")
+    return ("neg_step_size", "bias_correction2_sqrt", "decay")
+
+
+def host_scalars(cfg: GroupConfig, lr: float, step: int) -> dict[str, float]:
+    """Per-step scalars of a group for the optimizer step number ``step`` (1-based)."""
+    if cfg.kind == "sgd":
+        return {"neg_lr": -lr, "first_step": 1.0 if step == 1 else 0.0}
+    bias_correction1 = 1 - cfg.beta1**step
+    bias_correction2 = 1 - cfg.beta2**step
+    return {
+        "neg_step_size": -(lr / bias_correction1),
+        "bias_correction2_sqrt": bias_correction2**0.5,
+        "decay": 1 - lr * cfg.weight_decay,
+    }
+
+
+def sgd_update(cfg: GroupConfig, param, grad, state: dict, scalars: dict):
+    """``torch.optim.sgd._single_tensor_sgd`` for one parameter; returns (param, state)."""
+    grad = -grad if cfg.maximize else grad
+    if cfg.weight_decay != 0:
+        grad = grad.add(param, alpha=cfg.weight_decay)
+    new_state = {}
+    if cfg.momentum != 0:
+        buf = state["momentum_buffer"]
+        # torch starts the buffer as a copy of the first gradient.
+        continued = buf.mul(cfg.momentum).add(grad, alpha=1 - cfg.dampening)
+        buf = torch.where(scalars["first_step"] > 0, grad, continued)
+        new_state["momentum_buffer"] = buf
+        grad = grad.add(buf, alpha=cfg.momentum) if cfg.nesterov else buf
+    return param + scalars["neg_lr"] * grad, new_state
+
+
+def adam_update(cfg: GroupConfig, param, grad, state: dict, scalars: dict):
+    """``torch.optim.adam._single_tensor_adam`` (non-capturable path) for one parameter."""
+    grad = -grad if cfg.maximize else grad
+    if cfg.weight_decay != 0:
+        if cfg.decoupled:
+            param = param * scalars["decay"]
+        else:
+            grad = grad.add(param, alpha=cfg.weight_decay)
+    exp_avg = state["exp_avg"].lerp(grad, 1 - cfg.beta1)
+    exp_avg_sq = state["exp_avg_sq"].mul(cfg.beta2).addcmul(grad, grad, value=1 - cfg.beta2)
+    new_state = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    second = exp_avg_sq
+    if cfg.amsgrad:
+        second = torch.maximum(state["max_exp_avg_sq"], exp_avg_sq)
+        new_state["max_exp_avg_sq"] = second
+    denom = (second.sqrt() / scalars["bias_correction2_sqrt"]).add(cfg.eps)
+    # addcdiv computes self + value * t1 / t2 in that order.
+    return param + scalars["neg_step_size"] * exp_avg / denom, new_state
+
+
+def update(cfg: GroupConfig, param, grad, state: dict, scalars: dict):
+    fn = sgd_update if cfg.kind == "sgd" else adam_update
+    return fn(cfg, param, grad, state, scalars)
+
+
+class FunctionalOptimizer:
+    """Reads a user's ``torch.optim`` optimizer and offers its functional twin.
+
+    ``names[i]`` is the parameter name (as in ``model.named_parameters()``) of
+    the i-th parameter the optimizer updates; ``group_of[name]`` its group.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, param_names: Mapping[int, str]):
+        kind = type(optimizer).__name__
+        if kind not in _SUPPORTED:
+            raise CaptureError(
+                f"optimizer {kind} is not supported yet; use one of {', '.join(_SUPPORTED)} "
+                "(torch.optim), or open an issue naming the optimizer you need"
+            )
+        self.optimizer = optimizer
+        self.groups = [_group_config(optimizer, g) for g in optimizer.param_groups]
+        self.group_of: dict[str, int] = {}
+        self.names: list[str] = []
+        self.param_of: dict[str, torch.Tensor] = {}
+        for gi, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if id(p) not in param_names:
+                    raise CaptureError(
+                        "the optimizer holds a tensor that is not a parameter of the model; "
+                        "build the optimizer from model.parameters()"
+                    )
+                name = param_names[id(p)]
+                self.group_of[name] = gi
+                self.names.append(name)
+                self.param_of[name] = p
+
+    def check_unchanged(self) -> None:
+        """Raise if a constant hyper-parameter changed since capture (lr may change)."""
+        now = [_group_config(self.optimizer, g) for g in self.optimizer.param_groups]
+        if now != self.groups:
+            raise CaptureError(
+                "an optimizer hyper-parameter other than lr changed after the step was captured; "
+                "call parallelize again to capture the new configuration"
+            )
+
+    def state_names(self, name: str) -> tuple[str, ...]:
+        return state_names(self.groups[self.group_of[name]])
+
+    def step_count(self) -> int:
+        """Steps the user's optimizer has taken so far (0 for a fresh one)."""
+        for state in self.optimizer.state.values():
+            step = state.get("step")
+            if step is not None:
+                return int(step)
+        return 0
+
+    def host_scalars(self, step: int) -> dict[str, float]:
+        """Every host scalar of every group for step ``step``, keyed ``g{i}.{name}``."""
+        out = {}
+        for gi, (cfg, group) in enumerate(zip(self.groups, self.optimizer.param_groups)):
+            for key, value in host_scalars(cfg, float(group["lr"]), step).items():
+                out[f"g{gi}.{key}"] = value
+        return out
+
+    def initial_state(self, name: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The state tensors of ``name``: the user's, or zeros for a fresh optimizer."""
+        pstate = self._user_state(name)
+        out = {}
+        for key in self.state_names(name):
+            value = pstate.get(key)
+            out[key] = value.detach() if value is not None else torch.zeros_like(param)
+        return out
+
+    def _user_state(self, name: str) -> dict:
+        return self.optimizer.state.get(self.param_of[name], {})
+
+    def write_back(self, states: Mapping[str, Mapping[str, torch.Tensor]], step: int) -> None:
+        """Store functional state into the user's optimizer, as torch.optim would hold it."""
+        for name in self.names:
+            p = self.param_of[name]
+            entry = {k: v.detach().clone() for k, v in states[name].items()}
+            if self.groups[self.group_of[name]].kind == "adam":
+                entry["step"] = torch.tensor(float(step))
+            self.optimizer.state[p] = entry
