@@ -1,0 +1,423 @@
+"""Cost model of the intra-op ILP: compute, collectives, resharding, memory.
+
+What it owns: the numbers the ILP minimises. Every cost is in seconds
+(``_s``), every size in bytes (``_bytes``). It does not own strategies (which
+specs an operator may take) nor the ILP itself; its inputs are a ``MeshCost``
+(built from the cluster description by ``MeshCost.from_cluster``, or by hand
+in tests) and ``ShardingSpec``s from ``intra_ilp.spec``.
+
+Formulas
+--------
+Compute, roofline (DESIGN.md "Cost model")::
+
+    compute_s = max(flops / (peak_flops_per_s * compute_efficiency),
+                    bytes_accessed / memory_bandwidth_bytes_per_s)
+
+Collectives along one mesh axis of ``n`` devices, ``b`` bytes, link ``(α, β)``
+(Alpa, OSDI'22, §4.1 / its ``mesh_profiling`` alpha-beta model; ``b`` is the
+size of the tensor as the ``n`` devices of the group see it together, as in
+Alpa's ``LogicalDeviceMesh.*_cost(num_bytes, mesh_dim)``)::
+
+    all-reduce      α + 2 β b (n-1)/n
+    all-gather      α +   β b (n-1)/n      b = gathered (output) size
+    reduce-scatter  α +   β b (n-1)/n      b = input size
+    all-to-all      α +   β b (n-1)/n²     b = size across the group
+    p2p             α +   β b
+
+and 0 when ``n == 1``. Each β is multiplied by a per-collective scale
+(``MeshCost.*_beta_scale``): gloo on CPU runs all_gather / reduce_scatter
+3–4x slower per byte than all_reduce (FINDINGS.md), NCCL does not. Alpa's code
+also adds tiny tie-break constants and an ``n/2`` penalty on all-to-all; both
+are left out here.
+
+Resharding (Alpa §4.1 "resharding cost"): a tensor moves from spec ``src`` to
+spec ``dst`` by single-axis steps, each changing the placement on one mesh
+axis ``a`` while the other axes stay put:
+
+    P → R     all-reduce          S(d) → R     all-gather
+    P → S(d)  reduce-scatter      S(d) → S(e)  all-to-all
+    R → S(d)  local slice, free   R → P        keep one summand, zero the rest: free
+
+(S→P is S→R→P.) The message size of a step is the local shard size at that
+point with axis ``a`` taken as unsharded, so shards on the other axis make
+messages smaller. A step that adds or removes ``S(d)`` on axis ``a`` is only
+correct when no later axis shards dim ``d`` too: placements nest left to
+right (``spec.py``), so with ``S(0)S(0)`` axis 1 must be gathered before
+axis 0. ``reshard_s`` is the cheapest sequence of such steps: a shortest path
+(Dijkstra) over the specs of the tensor. That covers both axis orders, the
+forced order of nested shards and hierarchical sequences (reduce-scatter on
+one axis, all-reduce the smaller shard on the other, all-gather back) where
+they win.
+
+Memory: ``bytes_per_device`` is the largest local shard (ceil chunks, as
+``ShardingSpec.local_shape``); a Partial placement holds a full-size summand.
+
+Caches: Dijkstra results and reshard matrices are memoised with
+``functools.lru_cache`` on pure, hashable keys (mesh, specs, shape, itemsize);
+there is no other module state.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Sequence
+
+import numpy as np
+
+from intra_ilp.spec import P, Placement, R, S, ShardingSpec
+
+logger = logging.getLogger(__name__)
+
+#: Bump whenever a formula changes: plan caches are keyed on it.
+COST_MODEL_VERSION = "alpa-alpha-beta-1"
+
+_SCALE_FIELDS = {
+    "allreduce": "allreduce_beta_scale",
+    "allgather": "allgather_beta_scale",
+    "reducescatter": "reducescatter_beta_scale",
+    "alltoall": "alltoall_beta_scale",
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MeshCost:
+    """Everything the cost model knows about one logical 2D device mesh."""
+
+    mesh_shape: tuple[int, int]
+    """Devices along mesh axis 0 and axis 1; a 1D mesh is ``(1, n)`` or ``(n, 1)``."""
+    alpha_s: tuple[float, float]
+    """Latency of one collective call along each mesh axis, seconds."""
+    beta_s_per_byte: tuple[float, float]
+    """Inverse bandwidth along each mesh axis, seconds per byte."""
+    peak_flops_per_s: float
+    """Peak FLOP/s of one device for the dtype in use."""
+    memory_bandwidth_bytes_per_s: float
+    """Device memory bandwidth, bytes per second (the roofline's memory bound)."""
+    compute_efficiency: float = 1.0
+    """Fraction of ``peak_flops_per_s`` real kernels reach, in (0, 1]."""
+    allreduce_beta_scale: float = 1.0
+    """Multiplier on β for all-reduce."""
+    allgather_beta_scale: float = 1.0
+    """Multiplier on β for all-gather (~3.5 on a profiled gloo cluster)."""
+    reducescatter_beta_scale: float = 1.0
+    """Multiplier on β for reduce-scatter (~3.5 on a profiled gloo cluster)."""
+    alltoall_beta_scale: float = 1.0
+    """Multiplier on β for all-to-all."""
+
+    def __post_init__(self) -> None:
+        # Coerce lists to tuples so the object stays hashable (it keys caches).
+        for name in ("mesh_shape", "alpha_s", "beta_s_per_byte"):
+            value = tuple(getattr(self, name))
+            if len(value) != 2:
+                raise ValueError(f"MeshCost.{name} needs one entry per mesh axis (2), got {value!r}")
+            object.__setattr__(self, name, value)
+        if any(int(n) != n or n < 1 for n in self.mesh_shape):
+            raise ValueError(f"MeshCost.mesh_shape must be positive integers, got {self.mesh_shape!r}")
+        object.__setattr__(self, "mesh_shape", tuple(int(n) for n in self.mesh_shape))
+        if any(not (math.isfinite(x) and x >= 0) for x in self.alpha_s + self.beta_s_per_byte):
+            raise ValueError(f"MeshCost alpha_s / beta_s_per_byte must be finite and >= 0, "
+                             f"got {self.alpha_s!r} / {self.beta_s_per_byte!r}")
+        positive = ("peak_flops_per_s", "memory_bandwidth_bytes_per_s", *_SCALE_FIELDS.values())
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"MeshCost.{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0 < self.compute_efficiency <= 1:
+            raise ValueError(f"MeshCost.compute_efficiency must be in (0, 1], got {self.compute_efficiency!r}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.mesh_shape[0] * self.mesh_shape[1]
+
+    @classmethod
+    def from_cluster(
+        cls, cluster: Any, submesh: Any, logical_shape: Sequence[int], dtype: str = "float32"
+    ) -> "MeshCost":
+        """Build from a cluster description (duck-typed, see ``alpa_torch`` Cluster).
+
+        Uses ``cluster.device.flops_per_s(dtype)``,
+        ``cluster.device.memory_bandwidth_bytes_per_s``,
+        ``cluster.device.compute_efficiency``,
+        ``cluster.mesh_axis_links(submesh, logical_shape)`` (two links with
+        ``.alpha_s`` and ``.beta_s_per_byte``) and, if present,
+        ``cluster.collective_beta_scale`` (``{"all_gather": 3.5, ...}``; keys
+        are matched ignoring case and underscores).
+        """
+        shape = tuple(int(n) for n in logical_shape)
+        links = tuple(cluster.mesh_axis_links(submesh, logical_shape))
+        if len(shape) != 2 or len(links) != 2:
+            raise ValueError(
+                f"from_cluster needs a 2D logical shape and two axis links, got shape {shape} "
+                f"and {len(links)} links; write a 1D mesh as (1, n)"
+            )
+        scales: dict[str, float] = {}
+        for key, value in (getattr(cluster, "collective_beta_scale", None) or {}).items():
+            field = _SCALE_FIELDS.get(str(key).lower().replace("_", "").replace("-", ""))
+            if field is None:
+                logger.debug("ignoring collective_beta_scale[%r]: no such collective in the cost model", key)
+            else:
+                scales[field] = float(value)
+        device = cluster.device
+        return cls(
+            mesh_shape=shape,
+            alpha_s=tuple(float(link.alpha_s) for link in links),
+            beta_s_per_byte=tuple(float(link.beta_s_per_byte) for link in links),
+            peak_flops_per_s=float(device.flops_per_s(dtype)),
+            memory_bandwidth_bytes_per_s=float(device.memory_bandwidth_bytes_per_s),
+            compute_efficiency=float(device.compute_efficiency),
+            **scales,
+        )
+
+
+# ---------------------------------------------------------------- collectives
+
+
+def _axis_link(mesh: MeshCost, axis: int, nbytes: float) -> tuple[int, float, float]:
+    if axis not in (0, 1):
+        raise ValueError(f"mesh axis must be 0 or 1, got {axis!r}")
+    if nbytes < 0:
+        raise ValueError(f"message size must be >= 0 bytes, got {nbytes!r}")
+    return mesh.mesh_shape[axis], mesh.alpha_s[axis], mesh.beta_s_per_byte[axis]
+
+
+def allreduce_s(mesh: MeshCost, axis: int, nbytes: float) -> float:
+    """All-reduce of ``nbytes`` along ``axis``: α + 2β·b·(n−1)/n (Alpa, OSDI'22, §4.1 / mesh_profiling)."""
+    n, alpha, beta = _axis_link(mesh, axis, nbytes)
+    return 0.0 if n == 1 else alpha + 2 * beta * mesh.allreduce_beta_scale * nbytes * (n - 1) / n
+
+
+def allgather_s(mesh: MeshCost, axis: int, nbytes: float) -> float:
+    """All-gather to ``nbytes`` (gathered size) along ``axis``: α + β·b·(n−1)/n (Alpa §4.1)."""
+    n, alpha, beta = _axis_link(mesh, axis, nbytes)
+    return 0.0 if n == 1 else alpha + beta * mesh.allgather_beta_scale * nbytes * (n - 1) / n
+
+
+def reducescatter_s(mesh: MeshCost, axis: int, nbytes: float) -> float:
+    """Reduce-scatter of ``nbytes`` (input size) along ``axis``: α + β·b·(n−1)/n (Alpa §4.1)."""
+    n, alpha, beta = _axis_link(mesh, axis, nbytes)
+    return 0.0 if n == 1 else alpha + beta * mesh.reducescatter_beta_scale * nbytes * (n - 1) / n
+
+
+def alltoall_s(mesh: MeshCost, axis: int, nbytes: float) -> float:
+    """All-to-all of a tensor of ``nbytes`` across the group: α + β·b·(n−1)/n² (Alpa §4.1)."""
+    n, alpha, beta = _axis_link(mesh, axis, nbytes)
+    return 0.0 if n == 1 else alpha + beta * mesh.alltoall_beta_scale * nbytes * (n - 1) / (n * n)
+
+
+def p2p_s(mesh: MeshCost, axis: int, nbytes: float) -> float:
+    """Point-to-point send of ``nbytes`` between two devices along ``axis``: α + β·b."""
+    n, alpha, beta = _axis_link(mesh, axis, nbytes)
+    return 0.0 if n == 1 else alpha + beta * nbytes
+
+
+def compute_s(mesh: MeshCost, flops: float, bytes_accessed: float) -> float:
+    """Roofline time of one operator on one device (DESIGN.md "Cost model").
+
+    max(flops / (peak_flops_per_s × compute_efficiency), bytes_accessed / memory_bandwidth_bytes_per_s)
+    """
+    if flops < 0 or bytes_accessed < 0:
+        raise ValueError(f"flops and bytes_accessed must be >= 0, got {flops!r}, {bytes_accessed!r}")
+    return max(
+        flops / (mesh.peak_flops_per_s * mesh.compute_efficiency),
+        bytes_accessed / mesh.memory_bandwidth_bytes_per_s,
+    )
+
+
+# ---------------------------------------------------------------- memory
+
+State = tuple[Placement, ...]
+
+
+def _placements(spec: ShardingSpec, mesh_shape: Sequence[int], tensor_ndim: int) -> State:
+    """The spec's placements on the 2D mesh, validated.
+
+    A 1-axis spec is accepted on a 1D mesh ``(1, n)`` / ``(n, 1)`` and lands on
+    the axis of size n (the size-1 axis gets R).
+    """
+    placements = spec.placements
+    if len(placements) == 1 and len(mesh_shape) == 2 and 1 in mesh_shape:
+        placements = (placements[0], R) if mesh_shape[1] == 1 and mesh_shape[0] != 1 else (R, placements[0])
+    ShardingSpec(placements).validate(tensor_ndim, mesh_shape)
+    return placements
+
+
+def _local_numel(state: State, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> int:
+    """Elements of the largest local shard (ceil chunks, as ``ShardingSpec.local_shape``)."""
+    local = list(shape)
+    for p, n in zip(state, mesh_shape):
+        if p.kind == "S":
+            local[p.dim] = -(-local[p.dim] // n)
+    return math.prod(local)
+
+
+def bytes_per_device(
+    spec: ShardingSpec, global_shape: Sequence[int], itemsize: int, mesh_shape: Sequence[int]
+) -> int:
+    """Bytes of the largest local shard of a tensor in ``spec``.
+
+    Ceil division per sharded dim, as ``ShardingSpec.local_shape``; a Partial
+    placement does not shrink the tensor (each device holds a full-size summand).
+    """
+    shape, mesh = tuple(int(x) for x in global_shape), tuple(int(n) for n in mesh_shape)
+    return _local_numel(_placements(spec, mesh, len(shape)), shape, mesh) * int(itemsize)
+
+
+# ---------------------------------------------------------------- resharding
+
+
+@dataclass(frozen=True, slots=True)
+class ReshardStep:
+    """One single-axis step of a resharding sequence (for inspection and tests)."""
+
+    axis: int
+    src: ShardingSpec
+    dst: ShardingSpec
+    collective: str  # all_reduce | all_gather | reduce_scatter | all_to_all | slice | zero | relabel
+    nbytes: int
+    cost_s: float
+
+
+def _innermost(state: State, axis: int, dim: int) -> bool:
+    """True if no axis after ``axis`` shards ``dim`` (placements nest left to right)."""
+    return not any(p.kind == "S" and p.dim == dim for p in state[axis + 1 :])
+
+
+def _steps_from(mesh: MeshCost, state: State, shape: tuple[int, ...], itemsize: int):
+    """Yield ``(next_state, cost_s, collective, axis, nbytes)`` for every legal single-axis step."""
+    targets = (R, P) + tuple(S(d) for d in range(len(shape)))
+    for axis, n in enumerate(mesh.mesh_shape):
+        cur = state[axis]
+        # Size of the tensor as the n devices of this axis group see it together.
+        group_bytes = _local_numel(state[:axis] + (R,) + state[axis + 1 :], shape, mesh.mesh_shape) * itemsize
+        for new in targets:
+            if new == cur:
+                continue
+            nxt = state[:axis] + (new,) + state[axis + 1 :]
+            if n == 1:  # every placement is the same layout on a size-1 axis
+                yield nxt, 0.0, "relabel", axis, 0
+                continue
+            if cur.kind == "S" and not _innermost(state, axis, cur.dim):
+                continue
+            if new.kind == "S" and not _innermost(state, axis, new.dim):
+                continue
+            if cur.kind == "R":
+                yield nxt, 0.0, ("zero" if new.kind == "P" else "slice"), axis, 0
+            elif cur.kind == "P" and new.kind == "R":
+                yield nxt, allreduce_s(mesh, axis, group_bytes), "all_reduce", axis, group_bytes
+            elif cur.kind == "P":
+                yield nxt, reducescatter_s(mesh, axis, group_bytes), "reduce_scatter", axis, group_bytes
+            elif new.kind == "R":
+                yield nxt, allgather_s(mesh, axis, group_bytes), "all_gather", axis, group_bytes
+            elif new.kind == "S":
+                yield nxt, alltoall_s(mesh, axis, group_bytes), "all_to_all", axis, group_bytes
+            # S -> P has no single step: it goes S -> R -> P.
+
+
+@lru_cache(maxsize=8192)
+def _shortest_from(mesh: MeshCost, src: State, shape: tuple[int, ...], itemsize: int):
+    """Dijkstra from ``src`` over all specs of the tensor: (cost_s, back-pointers) per state.
+
+    Internal and cached: callers must not mutate the returned dicts.
+    """
+    dist: dict[State, float] = {src: 0.0}
+    back: dict[State, tuple[State, str, int, int, float]] = {}
+    tie = itertools.count()
+    heap = [(0.0, next(tie), src)]
+    done: set[State] = set()
+    while heap:
+        cost, _, state = heapq.heappop(heap)
+        if state in done:
+            continue
+        done.add(state)
+        for nxt, step_s, collective, axis, nbytes in _steps_from(mesh, state, shape, itemsize):
+            total = cost + step_s
+            if total < dist.get(nxt, math.inf):
+                dist[nxt] = total
+                back[nxt] = (state, collective, axis, nbytes, step_s)
+                heapq.heappush(heap, (total, next(tie), nxt))
+    return dist, back
+
+
+def _key(mesh: MeshCost, spec: ShardingSpec, shape: Sequence[int]) -> State:
+    return _placements(spec, mesh.mesh_shape, len(shape))
+
+
+def _canonical(shape: tuple[int, ...], itemsize: int, mesh_shape: tuple[int, int]) -> tuple[tuple[int, ...], int]:
+    """A (shape, itemsize) with the same local shard bytes under every spec, shared by many tensors.
+
+    A dim divisible by N = n0·n1 is cut exactly by every spec (each shard count
+    divides N), so only the product of such dims (and the itemsize) matters:
+    they become (N, ..., N, rest) with itemsize 1. Tensors of equal size then
+    share one Dijkstra run: the "(spec, local size)" cache key.
+    """
+    full = mesh_shape[0] * mesh_shape[1]
+    exact = [i for i, d in enumerate(shape) if d > 0 and d % full == 0]
+    if not exact:
+        return shape, itemsize
+    out = list(shape)
+    for i in exact[:-1]:
+        out[i] = full
+    out[exact[-1]] = math.prod(shape[i] for i in exact) * itemsize // full ** (len(exact) - 1)
+    return tuple(out), 1
+
+
+def reshard_s(
+    mesh: MeshCost, src: ShardingSpec, dst: ShardingSpec, global_shape: Sequence[int], itemsize: int
+) -> float:
+    """Seconds to convert a tensor from ``src`` to ``dst`` on ``mesh`` (module docstring).
+
+    The cheapest sequence of single-axis collectives / local slices (Alpa,
+    OSDI'22, §4.1 resharding cost, with its alpha-beta collective model).
+    """
+    shape = tuple(int(x) for x in global_shape)
+    dist, _ = _shortest_from(mesh, _key(mesh, src, shape), *_canonical(shape, int(itemsize), mesh.mesh_shape))
+    return dist[_key(mesh, dst, shape)]
+
+
+def reshard_path(
+    mesh: MeshCost, src: ShardingSpec, dst: ShardingSpec, global_shape: Sequence[int], itemsize: int
+) -> tuple[ReshardStep, ...]:
+    """The step sequence ``reshard_s`` prices, first step first (zero-cost relabels dropped)."""
+    shape = tuple(int(x) for x in global_shape)
+    src_state, state = _key(mesh, src, shape), _key(mesh, dst, shape)
+    _, back = _shortest_from(mesh, src_state, *_canonical(shape, int(itemsize), mesh.mesh_shape))
+    steps = []
+    while state != src_state:
+        prev, collective, axis, nbytes, step_s = back[state]
+        if collective != "relabel":
+            steps.append(ReshardStep(axis, ShardingSpec(prev), ShardingSpec(state), collective, nbytes, step_s))
+        state = prev
+    return tuple(reversed(steps))
+
+
+@lru_cache(maxsize=4096)
+def _matrix(mesh: MeshCost, srcs: tuple, dsts: tuple, shape: tuple[int, ...], itemsize: int) -> np.ndarray:
+    dst_states = [_key(mesh, d, shape) for d in dsts]
+    canonical = _canonical(shape, itemsize, mesh.mesh_shape)
+    out = np.empty((len(srcs), len(dsts)), dtype=np.float64)
+    for i, src in enumerate(srcs):
+        dist, _ = _shortest_from(mesh, _key(mesh, src, shape), *canonical)
+        out[i] = [dist[d] for d in dst_states]
+    out.flags.writeable = False
+    return out
+
+
+def reshard_matrix_s(
+    mesh: MeshCost,
+    src_specs: Sequence[ShardingSpec],
+    dst_specs: Sequence[ShardingSpec],
+    shape: Sequence[int],
+    itemsize: int,
+) -> np.ndarray:
+    """``out[i, j] = reshard_s(mesh, src_specs[i], dst_specs[j], shape, itemsize)``, float64.
+
+    One Dijkstra per distinct source spec, memoised on (mesh, spec, canonical
+    shape and itemsize, see ``_canonical``); whole matrices are memoised too,
+    so repeated edges (every layer of a transformer) cost a dict lookup.
+    Returns a fresh writable array.
+    """
+    return _matrix(mesh, tuple(src_specs), tuple(dst_specs), tuple(int(x) for x in shape), int(itemsize)).copy()

@@ -1,0 +1,27 @@
+"""Inter-operator planning: operator clustering into layers and the stage DP.
+
+- ``layering``    cluster n ops into L layers (Alpa §5.2), exact DP
+- ``dp``          slice L layers into pipeline stages on submeshes (Alpa eq. 2-5)
+- ``kernels``     the numba kernels of both, each runnable as plain Python
+- ``brute_force`` exponential references the tests compare against
+
+No torch, no torch.distributed, no Ray.
+"""
+
+from .brute_force import brute_force_cluster_layers, brute_force_stage_dp
+from .dp import NoFeasiblePlanError, StageDPResult, solve_stage_dp
+from .kernels import NO_NUMBA_ENV, USE_NUMBA_DEFAULT
+from .layering import LayerClustering, cluster_layers, cluster_layers_detailed
+
+__all__ = [
+    "LayerClustering",
+    "NO_NUMBA_ENV",
+    "NoFeasiblePlanError",
+    "StageDPResult",
+    "USE_NUMBA_DEFAULT",
+    "brute_force_cluster_layers",
+    "brute_force_stage_dp",
+    "cluster_layers",
+    "cluster_layers_detailed",
+    "solve_stage_dp",
+]

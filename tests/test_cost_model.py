@@ -1,0 +1,328 @@
+"""Tests of intra_ilp.cost_model: hand-computed formulas, properties, and a
+numpy simulator that executes every reshard path on a fake device grid and
+checks the result is the destination layout (the reference for the ordering
+rules of nested shards)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from intra_ilp import cost_model as cm
+from intra_ilp.cost_model import (
+    COST_MODEL_VERSION,
+    MeshCost,
+    allgather_s,
+    allreduce_s,
+    alltoall_s,
+    bytes_per_device,
+    compute_s,
+    p2p_s,
+    reducescatter_s,
+    reshard_matrix_s,
+    reshard_path,
+    reshard_s,
+)
+from intra_ilp.spec import R, S, ShardingSpec, all_specs, chunk_bounds
+
+
+def mesh_cost(shape=(2, 4), alpha=(10.0, 1.0), beta=(2.0, 1.0), **kw) -> MeshCost:
+    return MeshCost(
+        mesh_shape=shape, alpha_s=alpha, beta_s_per_byte=beta,
+        peak_flops_per_s=kw.pop("peak", 100.0), memory_bandwidth_bytes_per_s=kw.pop("bw", 10.0), **kw,
+    )
+
+
+def spec(text: str) -> ShardingSpec:
+    return ShardingSpec.parse(text)
+
+
+# ---------------------------------------------------------------- formulas (Alpa, OSDI'22, §4.1)
+
+def test_collective_formulas_hand_computed():
+    m = mesh_cost()  # axis 0: n=2, α=10, β=2; axis 1: n=4, α=1, β=1
+    assert allreduce_s(m, 1, 1000) == pytest.approx(1 + 2 * 1 * 1000 * 3 / 4)  # α + 2βb(n−1)/n = 1501
+    assert allreduce_s(m, 0, 1000) == pytest.approx(10 + 2 * 2 * 1000 * 1 / 2)  # 2010
+    assert allgather_s(m, 1, 1000) == pytest.approx(751)  # α + βb(n−1)/n
+    assert reducescatter_s(m, 0, 1000) == pytest.approx(1010)  # α + βb(n−1)/n
+    assert alltoall_s(m, 1, 1000) == pytest.approx(1 + 1000 * 3 / 16)  # α + βb(n−1)/n² = 188.5
+    assert p2p_s(m, 0, 1000) == pytest.approx(10 + 2 * 1000)  # α + βb
+
+
+def test_collectives_free_on_axis_of_one_device():
+    m = mesh_cost(shape=(1, 4))
+    for f in (allreduce_s, allgather_s, reducescatter_s, alltoall_s, p2p_s):
+        assert f(m, 0, 1e6) == 0.0
+        assert f(m, 1, 1e6) > 0.0
+
+
+def test_beta_scales_apply_per_collective():
+    m = mesh_cost(allgather_beta_scale=3.5, reducescatter_beta_scale=3.0, alltoall_beta_scale=2.0,
+                  allreduce_beta_scale=0.5)
+    assert allgather_s(m, 1, 1000) == pytest.approx(1 + 3.5 * 750)
+    assert reducescatter_s(m, 1, 1000) == pytest.approx(1 + 3.0 * 750)
+    assert alltoall_s(m, 1, 1000) == pytest.approx(1 + 2.0 * 187.5)
+    assert allreduce_s(m, 1, 1000) == pytest.approx(1 + 0.5 * 1500)
+    assert p2p_s(m, 1, 1000) == pytest.approx(1 + 1000)  # p2p is never scaled
+
+
+def test_compute_s_roofline():
+    m = mesh_cost(peak=100.0, bw=10.0, compute_efficiency=0.5)
+    assert compute_s(m, flops=1000, bytes_accessed=10) == pytest.approx(1000 / (100 * 0.5))  # compute bound: 20 s
+    assert compute_s(m, flops=10, bytes_accessed=1000) == pytest.approx(1000 / 10)  # memory bound: 100 s
+    with pytest.raises(ValueError):
+        compute_s(m, -1, 0)
+
+
+def test_meshcost_validation_and_hashable():
+    m = MeshCost(mesh_shape=[2, 2], alpha_s=[1, 1], beta_s_per_byte=[1, 1], peak_flops_per_s=1,
+                 memory_bandwidth_bytes_per_s=1)
+    assert m.mesh_shape == (2, 2) and hash(m) == hash(mesh_cost((2, 2), (1, 1), (1, 1), peak=1, bw=1))
+    for bad in (dict(shape=(2,)), dict(shape=(0, 2)), dict(alpha=(-1, 0)), dict(compute_efficiency=0),
+                dict(allgather_beta_scale=0), dict(peak=0)):
+        with pytest.raises(ValueError):
+            mesh_cost(**bad)
+    with pytest.raises(ValueError):
+        allreduce_s(m, 2, 10)
+
+
+def test_from_cluster_duck_typed():
+    link = lambda a, b: SimpleNamespace(alpha_s=a, beta_s_per_byte=b)  # noqa: E731
+    cluster = SimpleNamespace(
+        device=SimpleNamespace(flops_per_s=lambda dtype: {"float32": 1e12, "bfloat16": 4e12}[dtype],
+                               memory_bandwidth_bytes_per_s=2e11, compute_efficiency=0.4),
+        mesh_axis_links=lambda submesh, shape: (link(1e-4, 1e-9), link(1e-5, 1e-10)),
+        collective_beta_scale={"all_gather": 3.5, "reduce_scatter": 3.4, "broadcast": 2.0},
+    )
+    m = MeshCost.from_cluster(cluster, submesh="any", logical_shape=(2, 4), dtype="bfloat16")
+    assert m.mesh_shape == (2, 4) and m.alpha_s == (1e-4, 1e-5) and m.beta_s_per_byte == (1e-9, 1e-10)
+    assert (m.peak_flops_per_s, m.memory_bandwidth_bytes_per_s, m.compute_efficiency) == (4e12, 2e11, 0.4)
+    assert (m.allgather_beta_scale, m.reducescatter_beta_scale, m.allreduce_beta_scale) == (3.5, 3.4, 1.0)
+    del cluster.collective_beta_scale  # optional attribute
+    assert MeshCost.from_cluster(cluster, None, (2, 4)).allgather_beta_scale == 1.0
+
+
+def test_version_is_a_string():
+    assert isinstance(COST_MODEL_VERSION, str) and COST_MODEL_VERSION
+
+
+# ---------------------------------------------------------------- resharding, hand-computed
+
+def test_reshard_1d_hand_computed():
+    m = mesh_cost(shape=(1, 4), alpha=(0.0, 5.0), beta=(0.0, 0.5))
+    shape, b = (8, 16), 8 * 16 * 4  # float32: 512 bytes
+    for s0, s1 in [("S(0)", "RS(0)"), ("R", "RR")]:  # 1-axis specs land on the size-4 axis
+        assert reshard_s(m, spec(s0), spec("R"), shape, 4) == reshard_s(m, spec(s1), spec("RR"), shape, 4)
+    assert reshard_s(m, spec("S(0)"), spec("R"), shape, 4) == pytest.approx(5 + 0.5 * b * 3 / 4)  # all-gather
+    assert reshard_s(m, spec("P"), spec("R"), shape, 4) == pytest.approx(5 + 2 * 0.5 * b * 3 / 4)  # all-reduce
+    assert reshard_s(m, spec("P"), spec("S(1)"), shape, 4) == pytest.approx(5 + 0.5 * b * 3 / 4)  # reduce-scatter
+    assert reshard_s(m, spec("S(0)"), spec("S(1)"), shape, 4) == pytest.approx(5 + 0.5 * b * 3 / 16)  # all-to-all
+    assert reshard_s(m, spec("R"), spec("S(1)"), shape, 4) == 0.0  # local slice
+    assert reshard_s(m, spec("R"), spec("P"), shape, 4) == 0.0  # keep one summand
+    assert reshard_s(m, spec("S(0)"), spec("P"), shape, 4) == pytest.approx(5 + 0.5 * b * 3 / 4)  # gather, then P
+
+
+def test_reshard_2d_axis_order_matters():
+    # PS(1) -> RR on a 2x4 mesh, α = β = 1, 8x16 int8 tensor (128 bytes); local shard 128/4 = 32 bytes.
+    m = mesh_cost(alpha=(1.0, 1.0), beta=(1.0, 1.0))
+    reduce_first = (1 + 2 * 32 * 1 / 2) + (1 + 128 * 3 / 4)  # all-reduce axis 0 on 32 B, all-gather axis 1 to 128 B
+    gather_first = (1 + 128 * 3 / 4) + (1 + 2 * 128 * 1 / 2)  # all-gather axis 1 first: all-reduce now moves 128 B
+    assert (reduce_first, gather_first) == (130, 226)
+    assert reshard_s(m, spec("PS(1)"), spec("RR"), (8, 16), 1) == pytest.approx(reduce_first)
+    steps = reshard_path(m, spec("PS(1)"), spec("RR"), (8, 16), 1)
+    assert [(s.axis, s.collective, s.nbytes) for s in steps] == [(0, "all_reduce", 32), (1, "all_gather", 128)]
+
+
+def test_reshard_nested_shards_gather_inner_axis_first():
+    # S(0)S(0): axis 0 cuts the outer chunks, so axis 1 must be gathered first.
+    m = mesh_cost(alpha=(1.0, 1.0), beta=(1.0, 1.0))
+    assert reshard_s(m, spec("S(0)S(0)"), spec("S(0)R"), (8, 16), 1) == pytest.approx(1 + 64 * 3 / 4)  # 49
+    assert reshard_s(m, spec("S(0)R"), spec("S(0)S(0)"), (8, 16), 1) == 0.0
+    steps = reshard_path(m, spec("S(0)S(0)"), spec("RR"), (8, 16), 1)
+    assert [(s.axis, s.collective, s.nbytes) for s in steps] == [(1, "all_gather", 64), (0, "all_gather", 128)]
+    assert reshard_s(m, spec("S(0)S(0)"), spec("RR"), (8, 16), 1) == pytest.approx(49 + (1 + 128 / 2))
+    # RS(0) -> S(0)S(0) cannot just slice axis 0 (that would nest the other way round). Cheapest:
+    # all-to-all axis 1 S(0)->S(1) on 128 B, slice axis 0, all-to-all axis 1 S(1)->S(0) on 64 B.
+    two_alltoalls = (1 + 128 * 3 / 16) + (1 + 64 * 3 / 16)  # 38, against 97 for all-gather axis 1 + slices
+    assert reshard_s(m, spec("RS(0)"), spec("S(0)S(0)"), (8, 16), 1) == pytest.approx(two_alltoalls)
+
+
+def test_hierarchical_allreduce_wins_when_axis_is_slow():
+    # PP -> RR with a slow axis 0: reduce-scatter on the fast axis first shrinks the slow all-reduce.
+    m = mesh_cost(shape=(2, 4), alpha=(0.0, 0.0), beta=(100.0, 1.0))
+    b = 1024
+    direct = 2 * 100 * b / 2 + 2 * 1 * b * 3 / 4  # all-reduce both axes: 103936
+    hierarchical = b * 3 / 4 + 2 * 100 * (b / 4) / 2 + b * 3 / 4  # RS axis 1, AR axis 0 on b/4, AG axis 1: 27136
+    assert reshard_s(m, spec("PP"), spec("RR"), (1024,), 1) == pytest.approx(min(direct, hierarchical))
+
+
+# ---------------------------------------------------------------- memory
+
+def test_bytes_per_device():
+    assert bytes_per_device(spec("S(0)S(1)"), (5, 6), 4, (2, 4)) == 3 * 2 * 4  # ceil(5/2), ceil(6/4)
+    assert bytes_per_device(spec("S(0)S(0)"), (10, 3), 4, (2, 4)) == 2 * 3 * 4  # ceil(ceil(10/2)/4) = 2
+    assert bytes_per_device(spec("PS(1)"), (10, 8), 2, (2, 4)) == 10 * 2 * 2  # Partial holds a full summand
+    assert bytes_per_device(spec("S(1)"), (3, 8), 4, (1, 4)) == 3 * 2 * 4  # 1-axis spec on a 1D mesh
+    assert bytes_per_device(spec("RR"), (), 8, (2, 2)) == 8  # scalar
+    with pytest.raises(ValueError):
+        bytes_per_device(spec("S(2)R"), (4, 4), 4, (2, 2))
+
+
+# ---------------------------------------------------------------- simulator (the reference)
+
+def _chunk(x: np.ndarray, dim: int, parts: int, index: int) -> np.ndarray:
+    lo, hi = chunk_bounds(0, x.shape[dim], parts, index)
+    return np.take(x, range(lo, hi), axis=dim)
+
+
+def _group(coord, axis, n):
+    return [coord[:axis] + (k,) + coord[axis + 1:] for k in range(n)]
+
+
+def _apply(local: dict, step, mesh_shape, rng) -> dict:
+    """Execute one ReshardStep on every device (torch.chunk semantics, DTensor nesting)."""
+    a, n, src, dst = step.axis, mesh_shape[step.axis], step.src.placements[step.axis], step.dst.placements[step.axis]
+    out = {}
+    for c in local:
+        group, k = [local[g] for g in _group(c, a, n)], c[a]
+        if step.collective == "slice":
+            out[c] = _chunk(local[c], dst.dim, n, k)
+        elif step.collective == "zero":
+            out[c] = local[c] if k == 0 else np.zeros_like(local[c])
+        elif step.collective == "all_reduce":
+            out[c] = sum(group)
+        elif step.collective == "reduce_scatter":
+            out[c] = _chunk(sum(group), dst.dim, n, k)
+        elif step.collective == "all_gather":
+            out[c] = np.concatenate(group, axis=src.dim)
+        elif step.collective == "all_to_all":  # piece k of each sender's chunking along dst.dim, in sender order
+            out[c] = np.concatenate([_chunk(g, dst.dim, n, k) for g in group], axis=src.dim)
+        else:
+            raise AssertionError(step.collective)
+    return out
+
+
+def _layout(x: np.ndarray, sp: ShardingSpec, mesh_shape, rng) -> dict:
+    """Local arrays of ``x`` in ``sp``; Partial axes get random integer summands."""
+    coords = list(itertools.product(*map(range, mesh_shape)))
+    local = {c: x[sp.local_slices(x.shape, mesh_shape, c)].copy() for c in coords}
+    for a, p in enumerate(sp.placements):
+        if p.is_partial:
+            for c in coords:
+                if c[a] == 0:
+                    group = _group(c, a, mesh_shape[a])
+                    for g in group[1:]:
+                        local[g] = rng.integers(-9, 9, size=local[g].shape)
+                    local[c] = local[c] - sum(local[g] for g in group[1:])
+    return local
+
+
+def _check_layout(local: dict, x: np.ndarray, sp: ShardingSpec, mesh_shape) -> None:
+    p_axes = [a for a, p in enumerate(sp.placements) if p.is_partial]
+    for c in local:
+        if any(c[a] for a in p_axes):
+            continue
+        peers = [c]
+        for a in p_axes:
+            peers = [g for q in peers for g in _group(q, a, mesh_shape[a])]
+        np.testing.assert_array_equal(sum(local[q] for q in peers), x[sp.local_slices(x.shape, mesh_shape, c)])
+
+
+MESHES = [(1, 4), (4, 1), (2, 2), (2, 3), (3, 2), (2, 4)]
+shapes = st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple)
+
+
+@st.composite
+def cases(draw, equal_links=False):
+    mesh_shape = draw(st.sampled_from(MESHES))
+    shape = draw(shapes)
+    alpha = tuple(draw(st.floats(0, 10)) for _ in range(2))
+    beta = tuple(draw(st.floats(0.01, 10)) for _ in range(2))
+    if equal_links:
+        alpha, beta = (alpha[0],) * 2, (beta[0],) * 2
+    m = mesh_cost(mesh_shape, alpha, beta, allgather_beta_scale=draw(st.sampled_from([1.0, 3.5])))
+    specs = all_specs(len(shape), 2, allow_partial=True)
+    return m, shape, draw(st.sampled_from(specs)), draw(st.sampled_from(specs)), draw(st.sampled_from([1, 2, 4]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases(), st.integers(0, 2**31))
+def test_every_path_really_reshards(case, seed):
+    m, shape, src, dst, itemsize = case
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-99, 99, size=shape)
+    local = _layout(x, src, m.mesh_shape, rng)
+    for step in reshard_path(m, src, dst, shape, itemsize):
+        local = _apply(local, step, m.mesh_shape, rng)
+    _check_layout(local, x, dst, m.mesh_shape)
+    steps = reshard_path(m, src, dst, shape, itemsize)
+    assert sum(s.cost_s for s in steps) == pytest.approx(reshard_s(m, src, dst, shape, itemsize))
+
+
+# ---------------------------------------------------------------- properties
+
+@settings(max_examples=200, deadline=None)
+@given(cases())
+def test_reshard_properties(case):
+    m, shape, a, b, itemsize = case
+    rr = ShardingSpec.replicated(2)
+    cost = reshard_s(m, a, b, shape, itemsize)
+    assert cost >= 0
+    assert reshard_s(m, a, a, shape, itemsize) == 0.0
+    assert reshard_s(m, rr, b, shape, itemsize) == 0.0  # R -> anything is slicing / zeroing: free
+    assert cost <= reshard_s(m, a, rr, shape, itemsize) + reshard_s(m, rr, b, shape, itemsize) + 1e-9
+    # Relabelling tensor dims does not change costs (reversed dim order).
+    def rev(sp: ShardingSpec) -> ShardingSpec:
+        return ShardingSpec(tuple(S(len(shape) - 1 - p.dim) if p.is_shard else p for p in sp.placements))
+    assert reshard_s(m, rev(a), rev(b), shape[::-1], itemsize) == pytest.approx(cost)
+
+
+@settings(max_examples=100, deadline=None)
+@given(cases(equal_links=True), st.integers(0, 1), st.integers(0, 2))
+def test_shard_to_replicate_is_one_allgather(case, axis, dim):
+    m, shape, *_ , itemsize = case
+    dim = dim % len(shape)
+    src = ShardingSpec((S(dim), R) if axis == 0 else (R, S(dim)))
+    full_bytes = math.prod(shape) * itemsize
+    got = reshard_s(m, src, ShardingSpec.replicated(2), shape, itemsize)
+    assert got == pytest.approx(allgather_s(m, axis, full_bytes))
+
+
+@settings(max_examples=100, deadline=None)
+@given(cases())
+def test_canonical_shape_cache_key_is_exact(case):
+    m, shape, a, _, itemsize = case
+    big = tuple(d * 12 for d in shape) + (24,)  # dims divisible by every mesh here
+    for sh in (shape, big):
+        src = cm._placements(a, m.mesh_shape, len(sh))
+        want, _ = cm._shortest_from.__wrapped__(m, src, sh, itemsize)
+        got, _ = cm._shortest_from(m, src, *cm._canonical(sh, itemsize, m.mesh_shape))
+        assert want.keys() == got.keys() and all(got[k] == pytest.approx(want[k]) for k in want)
+
+
+# ---------------------------------------------------------------- matrix
+
+def test_reshard_matrix_matches_and_is_fast():
+    m = mesh_cost(alpha=(1e-4, 1e-5), beta=(1e-9, 1e-10), allgather_beta_scale=3.5)
+    specs = all_specs(4, 2)[:16]
+    shape = (8, 16, 32, 64)
+    mat = reshard_matrix_s(m, specs, specs, shape, 4)
+    assert mat.shape == (16, 16) and mat.dtype == np.float64
+    for i, j in [(0, 5), (5, 0), (3, 11), (15, 15), (7, 2)]:
+        assert mat[i, j] == reshard_s(m, specs[i], specs[j], shape, 4)
+    mat[0, 0] = 123.0  # callers get their own copy
+    assert reshard_matrix_s(m, specs, specs, shape, 4)[0, 0] == 0.0
+    best = min(_timed(lambda: reshard_matrix_s(m, specs, specs, shape, 4)) for _ in range(20))
+    assert best < 1e-3
+
+
+def _timed(f) -> float:
+    t = time.perf_counter()
+    f()
+    return time.perf_counter() - t

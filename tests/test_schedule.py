@@ -1,0 +1,180 @@
+"""Pipeline schedules: order, dependencies, deadlock freedom, memory and makespan."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.schedule import (
+    BACKWARD,
+    FORWARD,
+    RECV_ACT,
+    RECV_GRAD,
+    SEND_ACT,
+    SEND_GRAD,
+    UPDATE,
+    DeadlockError,
+    Instruction,
+    bubble_fraction,
+    check_schedule,
+    format_schedule,
+    gpipe,
+    max_in_flight,
+    one_f_one_b,
+    simulate,
+)
+
+SIZES = [(s, b) for s in range(1, 9) for b in range(1, 17)]
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def compute_order(program):
+    return [(i.kind.value, i.microbatch) for i in program if i.is_compute]
+
+
+def test_reprs_are_short():
+    assert repr(Instruction(FORWARD, 1, 3)) == "F3"
+    assert repr(Instruction(BACKWARD, 0, 0)) == "B0"
+    assert repr(Instruction(SEND_ACT, 1, 4, 2)) == "sendA4:1->2"
+    assert repr(Instruction(RECV_ACT, 2, 4, 1)) == "recvA4:1->2"
+    assert repr(Instruction(SEND_GRAD, 2, 0, 1)) == "sendG0:2->1"
+    assert repr(Instruction(RECV_GRAD, 1, 0, 2)) == "recvG0:2->1"
+    assert repr(Instruction(UPDATE, 1)) == "U"
+
+
+@pytest.mark.parametrize("bad", [
+    dict(kind=SEND_ACT, stage=1, microbatch=0, peer_stage=0),  # activations go forward
+    dict(kind=RECV_GRAD, stage=1, microbatch=0),  # receive without a peer
+    dict(kind=FORWARD, stage=0, microbatch=0, peer_stage=1),
+    dict(kind=UPDATE, stage=0, microbatch=2),
+    dict(kind=FORWARD, stage=0),
+])
+def test_instruction_validation(bad):
+    with pytest.raises(ValueError):
+        Instruction(**bad)
+
+
+def test_instruction_is_hashable_and_accepts_string_kind():
+    assert Instruction("F", 0, 1) == Instruction(FORWARD, 0, 1)
+    assert len({Instruction(FORWARD, 0, 1), Instruction("F", 0, 1)}) == 1
+
+
+def test_gpipe_order_matches_torch_schedule_gpipe():
+    # ScheduleGPipe: forwards 0..B-1, then backwards 0..B-1 (same order on every stage).
+    for program in gpipe(3, 4):
+        assert compute_order(program) == [("F", m) for m in range(4)] + [("B", m) for m in range(4)]
+        assert program[-1].kind == UPDATE
+
+
+def test_one_f_one_b_order_small_case():
+    sched = one_f_one_b(4, 6)
+    assert format_schedule(sched).splitlines()[0].startswith("stage 0: F0 sendA0:0->1 F1")
+    expect_stage0 = ["F0", "F1", "F2", "F3", "B0", "F4", "B1", "F5", "B2", "B3", "B4", "B5"]
+    expect_stage3 = ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3", "F4", "B4", "F5", "B5"]
+    assert [f"{k}{m}" for k, m in compute_order(sched[0])] == expect_stage0
+    assert [f"{k}{m}" for k, m in compute_order(sched[3])] == expect_stage3
+    # Communication sits next to the compute it feeds or drains.
+    assert [repr(i) for i in sched[1][:3]] == ["recvA0:0->1", "F0", "sendA0:1->2"]
+
+
+def torch_1f1b_order(stage, num_stages, num_microbatches):
+    """Compute order of torch.distributed.pipelining.Schedule1F1B, transcribed from its loop."""
+    warmup = min(num_microbatches, num_stages - stage)
+    order = [("F", m) for m in range(warmup)]
+    fwd, bwd = warmup, 0
+    while True:
+        order.append(("B", bwd))
+        bwd += 1
+        if fwd == num_microbatches:
+            break
+        order.append(("F", fwd))
+        fwd += 1
+    order += [("B", m) for m in range(bwd, num_microbatches)]
+    return order
+
+
+@pytest.mark.parametrize("s,b", [(s, b) for s, b in SIZES if b >= s])  # torch requires B >= S
+def test_one_f_one_b_matches_torch_order(s, b):
+    for k, program in enumerate(one_f_one_b(s, b)):
+        assert compute_order(program) == torch_1f1b_order(k, s, b)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_deadlock_free_and_dependencies_hold(name):
+    for s, b in SIZES:
+        sched = SCHEDULES[name](s, b)
+        check_schedule(sched)
+        timeline = simulate(sched, fwd_s=1.0, bwd_s=2.0, comm_s=0.5)
+        for k in range(s):
+            for m in range(b):
+                f, bw = timeline.event(FORWARD, k, m), timeline.event(BACKWARD, k, m)
+                assert f.end_s <= bw.start_s
+                if k > 0:  # the previous stage's forward of m finished before this one starts
+                    assert timeline.event(FORWARD, k - 1, m).end_s + 0.5 <= f.start_s
+                if k < s - 1:
+                    assert timeline.event(BACKWARD, k + 1, m).end_s + 0.5 <= bw.start_s
+
+
+def test_in_flight_peaks():
+    for s, b in SIZES:
+        for k, (g, o) in enumerate(zip(gpipe(s, b), one_f_one_b(s, b))):
+            assert max_in_flight(g) == b
+            assert max_in_flight(o) == min(s - k, b)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_unit_cost_makespan_is_analytic(name):
+    # GPipe (and 1F1B, whose bubble is the same) take (B + S - 1)(f + b) with free comm.
+    for s, b in SIZES:
+        for f, bw in [(1.0, 1.0), (1.0, 2.0)]:
+            timeline = simulate(SCHEDULES[name](s, b), fwd_s=f, bwd_s=bw)
+            assert timeline.makespan_s == pytest.approx((b + s - 1) * (f + bw))
+            assert timeline.idle_fraction == pytest.approx(bubble_fraction(s, b))
+
+
+def test_comm_latency_adds_per_hop():
+    # Each of the S-1 hops is crossed twice on the critical path (activation, gradient).
+    timeline = simulate(gpipe(4, 1), fwd_s=1.0, bwd_s=1.0, comm_s=0.25)
+    assert timeline.makespan_s == pytest.approx(8 + 2 * 3 * 0.25)
+
+
+def test_per_stage_costs_and_bottleneck():
+    # The slowest stage sets the pace: B max(t_j) <= T <= sum(t_i) + (B - 1) max(t_j) (Alpa eq. 2,
+    # an upper estimate: here the fast neighbours' work overlaps the slow stage's).
+    s, b = 3, 8
+    fwd, bwd = [1.0, 3.0, 1.0], [1.0, 3.0, 1.0]
+    timeline = simulate(one_f_one_b(s, b), fwd_s=fwd, bwd_s=bwd)
+    stage_t = [f + w for f, w in zip(fwd, bwd)]
+    assert b * max(stage_t) <= timeline.makespan_s <= sum(stage_t) + (b - 1) * max(stage_t)
+    assert timeline.makespan_s == pytest.approx(50.0)
+
+
+def test_deadlock_is_detected():
+    sched = gpipe(2, 2)
+    # Stage 1 waits for microbatch 1's activation before stage 0 ever sends it.
+    sched[1] = [Instruction(RECV_ACT, 1, 1, 0)] + [i for i in sched[1] if repr(i) != "recvA1:0->1"]
+    sched[0] = [Instruction(RECV_GRAD, 0, 0, 1)] + [i for i in sched[0] if repr(i) != "recvG0:1->0"]
+    with pytest.raises(DeadlockError, match="deadlock"):
+        simulate(sched)
+
+
+def test_unreceived_send_is_an_error():
+    sched = gpipe(2, 1)
+    sched[1] = [i for i in sched[1] if i.kind != RECV_ACT]
+    with pytest.raises(ValueError):
+        simulate(sched)
+    with pytest.raises(ValueError):
+        check_schedule(sched)
+
+
+def test_check_schedule_rejects_backward_before_forward():
+    sched = gpipe(1, 2)
+    sched[0] = [sched[0][2], sched[0][0], sched[0][1], sched[0][3], sched[0][4]]  # B0 F0 F1 B1 U
+    with pytest.raises(ValueError, match="microbatch 0"):
+        check_schedule(sched)
+
+
+def test_bad_sizes():
+    with pytest.raises(ValueError):
+        gpipe(0, 4)
+    with pytest.raises(ValueError):
+        one_f_one_b(2, 0)
