@@ -1,0 +1,33 @@
+"""Shared test fixtures.
+
+``ray_session``: one Ray for the whole test run, started the first time a test
+asks for it (tests that never ask pay nothing) and stopped when the session
+ends. Starting Ray costs 6-8 s here (FINDINGS.md), so runtime tests share it;
+each test still starts and shuts down its own ``WorkerGroup`` (a few seconds).
+With ``RAY_ADDRESS`` set, the tests use that cluster instead and leave it running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+# Logical CPUs of the shared Ray: enough for a 2x4 local cluster at one thread per device.
+# Ray's CPUs are a scheduling count, not cores, so this does not oversubscribe the machine.
+_SESSION_HOSTS, _SESSION_DEVICES_PER_HOST = 2, 4
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    """A local Ray (127.0.0.1, no dashboard, token auth independent of ~/.ray) for this test session."""
+    pytest.importorskip("ray")
+    from alpa_torch.cluster import Cluster
+    from runtime.ray_env import ensure_ray, stop_ray
+
+    started = ensure_ray(Cluster.local(_SESSION_HOSTS, _SESSION_DEVICES_PER_HOST))
+    try:
+        yield
+    finally:
+        if started:
+            stop_ray()
