@@ -30,8 +30,11 @@ def _setup(state: dict, gm_bytes: bytes, sharding: dict, io: dict, ranks: list[i
     from .interpreter import StageRunner
 
     torch.manual_seed(0)
+    from torch.distributed.device_mesh import DeviceMesh
+
     records = pickle.loads(gm_bytes)
-    state["runner"] = StageRunner(records, sharding["value_specs"], sharding["input_specs"], io, ranks, tuple(mesh_shape))
+    mesh = DeviceMesh("cpu", torch.tensor(ranks).view(*mesh_shape))
+    state["runner"] = StageRunner(records, sharding["value_specs"], sharding["input_specs"], io, mesh)
     return True
 
 

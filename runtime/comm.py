@@ -1,0 +1,90 @@
+"""Moves DTensor values between stages: the communication half of resharding.
+
+``resharding.plan_transfer`` says which box of the tensor each destination
+device receives from which source device (pure tile arithmetic); this module
+sends those boxes with non-blocking point-to-point operations and assembles
+each destination device's shard. Both sides compute the same plan from the
+same specs, so no metadata travels. Tags make every message unique
+(crossing index, microbatch), so the order in which sends and receives are
+posted cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+from intra_ilp.spec import ShardingSpec
+
+from .resharding import MeshPlacement, plan_transfer
+
+_TAG_STRIDE = 1 << 12  # microbatches per crossing
+
+
+def mesh_placement(ranks, shape) -> MeshPlacement:
+    return MeshPlacement(tuple(shape), tuple(ranks))
+
+
+@lru_cache(maxsize=None)
+def _plan(shape, src_spec: str, src_mesh: MeshPlacement, dst_spec: str, dst_mesh: MeshPlacement):
+    return plan_transfer(shape, ShardingSpec.parse(src_spec), src_mesh, ShardingSpec.parse(dst_spec), dst_mesh)
+
+
+def _no_partial(value: DTensor) -> DTensor:
+    if any(p.is_partial() for p in value.placements):
+        placements = tuple(Replicate() if p.is_partial() else p for p in value.placements)
+        value = value.redistribute(value.device_mesh, placements)
+    return value
+
+
+def _spec_of(value: DTensor) -> str:
+    from intra_ilp.strategies import from_dtensor_placements
+
+    return str(from_dtensor_placements(value.placements))
+
+
+def send(value: DTensor, dst_spec: str, src_mesh: MeshPlacement, dst_mesh: MeshPlacement, tag: int) -> list:
+    """Post the sends of this device's boxes of ``value``; returns the pending works.
+
+    Partial placements are reduced on the source mesh first (collective among its devices)."""
+    value = _no_partial(value)
+    shape = tuple(value.shape)
+    plan = _plan(shape, _spec_of(value), src_mesh, dst_spec, dst_mesh)
+    me = dist.get_rank()
+    local = value.to_local()
+    tile = plan.src_tile(me)
+    works = []
+    for t in plan.transfers_from(me):
+        piece = local[t.box.relative_to(tile)].contiguous()
+        works.append((dist.isend(piece, t.dst_device, tag=tag), piece))
+    return works
+
+
+def recv(shape, dtype, src_spec: str, dst_spec: str, src_mesh: MeshPlacement, dst_mesh: MeshPlacement,
+         device_mesh, tag: int) -> DTensor:
+    """Receive this device's shard of a value sent with ``send``; returns it as a DTensor."""
+    from intra_ilp.strategies import to_dtensor_placements
+
+    shape = tuple(shape)
+    plan = _plan(shape, src_spec, src_mesh, dst_spec, dst_mesh)
+    me = dist.get_rank()
+    tile = plan.dst_tile(me)
+    local = torch.empty(tile.shape, dtype=dtype)
+    pending = []
+    for t in plan.transfers_to(me):
+        buf = torch.empty(t.box.shape, dtype=dtype)
+        pending.append((dist.irecv(buf, t.src_device, tag=tag), buf, t.box))
+    for work, buf, box in pending:
+        work.wait()
+        local[box.relative_to(tile)] = buf
+    placements = to_dtensor_placements(ShardingSpec.parse(dst_spec))
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return DTensor.from_local(local, device_mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def make_tag(crossing_index: int, microbatch: int) -> int:
+    return crossing_index * _TAG_STRIDE + microbatch

@@ -1,0 +1,152 @@
+"""Split a captured step into per-stage programs and the values that cross stages.
+
+Pure bookkeeping, no communication: given the stage of every graph node, each
+stage gets three ordered lists of operators, run as
+
+- ``forward``  once per microbatch,
+- ``backward`` once per microbatch (gradients are accumulated over them),
+- ``update``   once per step, on the accumulated gradients;
+
+and a ``Crossing`` for every value produced on one stage and read on another,
+with the phase that produces it and the first phase that reads it. The
+pipeline schedule needs forward values to flow to later stages and backward
+values to earlier ones; anything else (a weight tied across stages, a global
+gradient-norm clip spanning stages) is refused with a ``PlanError`` naming the
+value, because the runtime cannot yet execute it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from alpa_torch.errors import PlanError
+
+PHASE_ORDER = {"forward": 0, "backward": 1, "update": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class Crossing:
+    """A value computed on stage ``src`` and read on stage ``dst``."""
+
+    value: str
+    src: int
+    dst: int
+    produced: str
+    """'forward' or 'backward' (sent after that phase of each microbatch)."""
+    consumed: str
+    """'forward' or 'backward' (received before that phase)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StageProgram:
+    stage: int
+    forward: tuple[str, ...]
+    backward: tuple[str, ...]
+    update: tuple[str, ...]
+    sources: tuple[str, ...]
+    """Graph inputs this stage reads (placeholder names)."""
+
+
+def _phase(graph, name: str) -> str:
+    node = graph.nodes.get(name)
+    return node.phase if node is not None else "input"
+
+
+def _check_crossing(graph, value: str, s: int, t: int, produced: str, consumed: str) -> None:
+    ok = (produced == "forward" and consumed == "forward" and t > s) or (
+        produced == "forward" and consumed == "backward") or (
+        produced == "backward" and consumed == "backward" and t < s)
+    if not ok:
+        raise PlanError(
+            f"value {value!r} ({produced}, stage {s}) is read by the {consumed} of stage {t}: the pipeline "
+            "runtime cannot move it (a weight tied across stages, or a global gradient-norm clip across "
+            "stages). Use pipeline=False, or keep the tied parts in one stage."
+        )
+
+
+def partition(graph, stage_of: dict[str, int], num_stages: int) -> tuple[list[StageProgram], list[Crossing]]:
+    """Per-stage programs and the crossings, from each node's stage."""
+    order = [n.name for n in graph.gm.graph.nodes if n.op == "call_function"]
+    inputs_of = {s.node for s in graph.inputs}
+    crossings: dict[tuple[str, int], Crossing] = {}
+    sources: list[set[str]] = [set() for _ in range(num_stages)]
+    lists = [{"forward": [], "backward": [], "update": []} for _ in range(num_stages)]
+    for name in order:
+        t, consumed = stage_of[name], graph.nodes[name].phase
+        lists[t][consumed].append(name)
+        for u in graph.nodes[name].inputs:
+            if u in inputs_of:
+                sources[t].add(u)
+                continue
+            s, produced = stage_of[u], _phase(graph, u)
+            if s == t:
+                continue
+            _check_crossing(graph, u, s, t, produced, consumed)
+            key = (u, t)
+            if key not in crossings or PHASE_ORDER[consumed] < PHASE_ORDER[crossings[key].consumed]:
+                crossings[key] = Crossing(u, s, t, produced, consumed)
+    _check_params_local(graph, stage_of, sources)
+    programs = [
+        StageProgram(k, tuple(lists[k]["forward"]), tuple(lists[k]["backward"]), tuple(lists[k]["update"]),
+                     tuple(sorted(sources[k])))
+        for k in range(num_stages)
+    ]
+    return programs, sorted(crossings.values(), key=lambda c: (order.index(c.value), c.dst))
+
+
+def _check_params_local(graph, stage_of: dict[str, int], sources: list[set[str]]) -> None:
+    """Parameters, optimizer state and updated buffers live on exactly one stage.
+
+    A buffer the step never changes (a causal mask) may be read by several: each keeps a copy."""
+    changed = {(o.kind, o.name) for o in graph.outputs if o.node != _input_node(graph, o.kind, o.name)}
+    for spec in graph.inputs:
+        if spec.kind not in ("param", "buffer", "opt_state"):
+            continue
+        if spec.kind == "buffer" and (spec.kind, spec.name) not in changed:
+            continue
+        users = [k for k, src in enumerate(sources) if spec.node in src]
+        if len(users) > 1:
+            raise PlanError(
+                f"{spec.kind} {spec.name!r} is used by stages {users}; a weight shared by several stages "
+                "(tied embeddings) is not supported by the pipeline runtime yet. Untie it, keep its users "
+                "in one stage, or use pipeline=False."
+            )
+
+
+def _input_node(graph, kind: str, name: str) -> str | None:
+    return next((s.node for s in graph.inputs if s.kind == kind and s.name == name), None)
+
+
+def stage_of_nodes(graph, layer_of: dict[str, int], layer_ranges: list[tuple[int, int]]) -> dict[str, int]:
+    """Stage of every node from its layer and the stages' inclusive layer ranges."""
+    stage_of_layer = {}
+    for k, (lo, hi) in enumerate(layer_ranges):
+        for layer in range(lo, hi + 1):
+            stage_of_layer[layer] = k
+    stage_of = {name: stage_of_layer[layer] for name, layer in layer_of.items()}
+    _pull_gradients_to_params(graph, stage_of)
+    return stage_of
+
+
+def _pull_gradients_to_params(graph, stage_of: dict[str, int]) -> None:
+    """Compute each gradient on its parameter's stage.
+
+    A bias gradient reads only the incoming gradient, so layering may put it on
+    the later stage; the update, on the parameter's stage, would then read it
+    across stages. Moving the gradient marker, and the backward chain that
+    feeds only it, down to the parameter's stage keeps backward data flowing
+    from later to earlier stages and leaves the update local."""
+    users: dict[str, list[str]] = {}
+    for name, node in graph.nodes.items():
+        for u in node.inputs:
+            users.setdefault(u, []).append(name)
+    placeholder = {s.name: s.node for s in graph.inputs if s.kind == "param"}
+    for param, marker in graph.grad_of.items():
+        target = stage_of[placeholder[param]]
+        node = marker
+        while node in graph.nodes and graph.nodes[node].phase == "backward" and stage_of[node] > target:
+            stage_of[node] = target
+            inputs = [u for u in graph.nodes[node].inputs if u in graph.nodes]
+            if len(inputs) != 1 or len(users.get(inputs[0], [])) != 1:
+                break
+            node = inputs[0]
