@@ -125,7 +125,49 @@ def stage_of_nodes(graph, layer_of: dict[str, int], layer_ranges: list[tuple[int
             stage_of_layer[layer] = k
     stage_of = {name: stage_of_layer[layer] for name, layer in layer_of.items()}
     _pull_gradients_to_params(graph, stage_of)
+    _updates_on_param_stage(graph, stage_of)
     return stage_of
+
+
+def _lift(graph, stage_of: dict[str, int], name: str, target: int) -> None:
+    """Move backward node ``name`` and its earlier-stage backward inputs to stage ``target``.
+
+    Valid because a lifted node's consumers are on stages <= target, so the data
+    it sends still flows from later to earlier stages."""
+    stack = [name]
+    while stack:
+        n = stack.pop()
+        node = graph.nodes.get(n)
+        if node is None or node.phase != "backward" or stage_of[n] >= target:
+            continue
+        stage_of[n] = target
+        stack.extend(node.inputs)
+
+
+def _updates_on_param_stage(graph, stage_of: dict[str, int]) -> None:
+    """Every update operator runs on the stage of the state it produces.
+
+    Walks back from each new parameter / optimizer state / buffer output through
+    update operators; an operator feeding state of several stages (a global
+    clip) takes the smallest, and ``partition`` then reports the crossing."""
+    stored = {(s.kind, s.name): s.node for s in graph.inputs}
+    wanted: dict[str, int] = {}
+    for out in graph.outputs:
+        home = stored.get((out.kind, out.name))
+        if out.kind == "loss" or home is None:
+            continue
+        if out.kind == "opt_state":
+            home = stored[("param", out.name.rsplit(".", 1)[0])]
+        stack = [out.node]
+        while stack:
+            name = stack.pop()
+            node = graph.nodes.get(name)
+            if node is None or node.phase != "update":
+                continue
+            if wanted.get(name, 1 << 30) > stage_of[home]:
+                wanted[name] = stage_of[home]
+                stack.extend(node.inputs)
+    stage_of.update(wanted)
 
 
 def _pull_gradients_to_params(graph, stage_of: dict[str, int]) -> None:
@@ -143,6 +185,9 @@ def _pull_gradients_to_params(graph, stage_of: dict[str, int]) -> None:
     placeholder = {s.name: s.node for s in graph.inputs if s.kind == "param"}
     for param, marker in graph.grad_of.items():
         target = stage_of[placeholder[param]]
+        if stage_of[marker] < target:
+            _lift(graph, stage_of, marker, target)
+            continue
         node = marker
         while node in graph.nodes and graph.nodes[node].phase == "backward" and stage_of[node] > target:
             stage_of[node] = target
