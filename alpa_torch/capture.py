@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import time
 import traceback
 from typing import Any, Callable
@@ -118,9 +119,20 @@ def _marking_backward(leaves: dict[str, torch.Tensor], order: list[str]):
     """Patch Tensor.backward so each gradient passes through ``alpa.grad`` afterwards."""
     original = torch.Tensor.backward
     index = {n: i for i, n in enumerate(order)}
+    depth = 0
 
     def backward(self, *args, **kwargs):
-        original(self, *args, **kwargs)
+        # make_fx's torch-function mode sends Tensor.backward back through
+        # handle_torch_function, which calls this patched method again: mark
+        # only when the outermost call returns, or every gradient gets two markers.
+        nonlocal depth
+        depth += 1
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            depth -= 1
+        if depth:
+            return
         for name, leaf in leaves.items():
             if leaf.grad is not None:
                 leaf.grad = grad_marker(leaf.grad, index[name])
@@ -255,12 +267,27 @@ def _translate_trace_error(exc: BaseException) -> Exception | None:
             "data-dependent shape), so it has no single static graph; compute on tensors instead "
             "(torch.where, masks) or move the decision outside train_step"
         )
-    if isinstance(exc, UnsupportedOperatorException):
+    op = _op_without_fake_kernel(exc)
+    if op is not None:
         return UnsupportedOperatorError(
-            f"operator {exc.func} at {where} cannot be traced (no meta/fake kernel); replace it with "
-            "standard torch operators or register a fake implementation with torch.library"
+            f"operator {op} at {where} cannot be traced (no meta/fake kernel); replace it with "
+            f'standard torch operators or register a fake implementation: torch.library.register_fake("{op}") '
+            "(the .register_fake decorator of a torch.library.custom_op)"
         )
     return None
+
+
+# torch.library.custom_op without register_fake raises a plain RuntimeError
+# (torch/_library/custom_ops.py), not UnsupportedOperatorException.
+_NO_FAKE_IMPL = re.compile(r"no fake impl registered for <CustomOpDef\((?P<op>[^)]+)\)>")
+
+
+def _op_without_fake_kernel(exc: BaseException) -> str | None:
+    """The operator ``exc`` says has no fake kernel, or None."""
+    if isinstance(exc, UnsupportedOperatorException):
+        return exc.func._schema.name  # 'ns::op', as torch.library names it
+    match = _NO_FAKE_IMPL.search(str(exc))
+    return match.group("op") if match else None
 
 
 def _cleanup(gm: fx.GraphModule) -> None:

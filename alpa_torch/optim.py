@@ -175,11 +175,18 @@ class FunctionalOptimizer:
         return state_names(self.groups[self.group_of[name]])
 
     def step_count(self) -> int:
-        """Steps the user's optimizer has taken so far (0 for a fresh one)."""
+        """Steps the user's optimizer has taken so far (0 for a fresh one).
+
+        SGD keeps no step counter; a momentum buffer shows it took at least
+        one step, which is all its maths needs (``first_step`` is 0, so the
+        buffer is continued rather than restarted from the gradient).
+        """
         for state in self.optimizer.state.values():
             step = state.get("step")
             if step is not None:
                 return int(step)
+            if state.get("momentum_buffer") is not None:
+                return 1
         return 0
 
     def host_scalars(self, step: int) -> dict[str, float]:
