@@ -41,7 +41,9 @@ def main(argv=None) -> int:
     for noisy in ("ray", "intra_ilp.ilp", "intra_ilp.reduce"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
-    connected = bool(os.environ.get("RAY_ADDRESS"))
+    import ray
+
+    connected = bool(os.environ.get("RAY_ADDRESS")) or ray.is_initialized()
     cluster = Cluster.from_ray() if connected else Cluster.local(args.hosts, args.devices)
     log.info("cluster: %s", cluster.describe())
 

@@ -1,0 +1,50 @@
+"""The demo as a Ray job: ``ray start --head`` on 127.0.0.1, ``ray job submit``, check the losses.
+
+Slow (a fresh Ray head, a job with a working-dir upload) and it stops every
+Ray process of this user at the end, so it runs apart: ``pytest -m slow``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray(args, env, timeout):
+    return subprocess.run([sys.executable, "-m", "ray.scripts.scripts", *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_demo_runs_as_a_ray_job(tmp_path):
+    env = {**os.environ, "HOME": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    gcs, dash = _free_port(), _free_port()
+    started = _ray(["start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
+                    "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--num-cpus", "2",
+                    "--include-dashboard", "true", "--disable-usage-stats"], env, 120)
+    assert started.returncode == 0, started.stderr[-2000:]
+    try:
+        job = _ray(["job", "submit", "--address", f"http://127.0.0.1:{dash}", "--working-dir", ".", "--",
+                    "python", "examples/train_gpt.py", "--steps", "3", "--check"], env, 600)
+        out = job.stdout + job.stderr
+        assert job.returncode == 0, out[-3000:]
+        losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", out)]
+        assert len(losses) == 3 and all(0 < v < 10 for v in losses), out[-3000:]
+        diff = float(re.search(r"max \|loss - eager loss\| = (\S+)", out).group(1))
+        assert diff < 1e-5
+    finally:
+        _ray(["stop", "--force"], env, 120)
