@@ -29,9 +29,25 @@ def mesh_placement(ranks, shape) -> MeshPlacement:
     return MeshPlacement(tuple(shape), tuple(ranks))
 
 
+_GATHER_TAG = 1 << 29
+
+
 @lru_cache(maxsize=None)
-def _plan(shape, src_spec: str, src_mesh: MeshPlacement, dst_spec: str, dst_mesh: MeshPlacement):
-    return plan_transfer(shape, ShardingSpec.parse(src_spec), src_mesh, ShardingSpec.parse(dst_spec), dst_mesh)
+def _plan(shape, src_spec: str, src_mesh: MeshPlacement, dst_spec: str, dst_mesh: MeshPlacement,
+          gather: bool = False):
+    return plan_transfer(shape, ShardingSpec.parse(src_spec), src_mesh, ShardingSpec.parse(dst_spec), dst_mesh,
+                         allow_dst_gather=gather)
+
+
+def prefer_dst_gather(shape, src_spec: str, src_mesh, dst_spec: str, dst_mesh, itemsize: int,
+                      cross_beta_s: float, local_beta_s: float) -> bool:
+    """Alpa's local all-gather: send each box across once and complete the
+    replicas inside the destination mesh, when that moves fewer seconds of bytes."""
+    direct = _plan(tuple(shape), src_spec, src_mesh, dst_spec, dst_mesh, False)
+    gathered = _plan(tuple(shape), src_spec, src_mesh, dst_spec, dst_mesh, True)
+    direct_s = direct.cross_bytes * cross_beta_s
+    gathered_s = gathered.cross_bytes * cross_beta_s + gathered.local_gather_bytes * local_beta_s
+    return itemsize > 0 and gathered_s < direct_s
 
 
 def _no_partial(value: DTensor) -> DTensor:
@@ -47,13 +63,14 @@ def _spec_of(value: DTensor) -> str:
     return str(from_dtensor_placements(value.placements))
 
 
-def send(value: DTensor, dst_spec: str, src_mesh: MeshPlacement, dst_mesh: MeshPlacement, tag: int) -> list:
+def send(value: DTensor, dst_spec: str, src_mesh: MeshPlacement, dst_mesh: MeshPlacement, tag: int,
+         gather: bool = False) -> list:
     """Post the sends of this device's boxes of ``value``; returns the pending works.
 
     Partial placements are reduced on the source mesh first (collective among its devices)."""
     value = _no_partial(value)
     shape = tuple(value.shape)
-    plan = _plan(shape, _spec_of(value), src_mesh, dst_spec, dst_mesh)
+    plan = _plan(shape, _spec_of(value), src_mesh, dst_spec, dst_mesh, gather)
     me = dist.get_rank()
     local = value.to_local()
     tile = plan.src_tile(me)
@@ -65,12 +82,12 @@ def send(value: DTensor, dst_spec: str, src_mesh: MeshPlacement, dst_mesh: MeshP
 
 
 def recv(shape, dtype, src_spec: str, dst_spec: str, src_mesh: MeshPlacement, dst_mesh: MeshPlacement,
-         device_mesh, tag: int) -> DTensor:
+         device_mesh, tag: int, gather: bool = False) -> DTensor:
     """Receive this device's shard of a value sent with ``send``; returns it as a DTensor."""
     from intra_ilp.strategies import to_dtensor_placements
 
     shape = tuple(shape)
-    plan = _plan(shape, src_spec, src_mesh, dst_spec, dst_mesh)
+    plan = _plan(shape, src_spec, src_mesh, dst_spec, dst_mesh, gather)
     me = dist.get_rank()
     tile = plan.dst_tile(me)
     local = torch.empty(tile.shape, dtype=dtype)
@@ -81,9 +98,33 @@ def recv(shape, dtype, src_spec: str, dst_spec: str, src_mesh: MeshPlacement, ds
     for work, buf, box in pending:
         work.wait()
         local[box.relative_to(tile)] = buf
+    _gather_within_destination(plan, me, tile, local, tag + _GATHER_TAG)
     placements = to_dtensor_placements(ShardingSpec.parse(dst_spec))
     stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
     return DTensor.from_local(local, device_mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def _gather_within_destination(plan, me: int, tile, local: torch.Tensor, tag: int) -> None:
+    """Complete this device's tile from the pieces its destination group received."""
+    sends, recvs = [], []
+    for g in plan.gathers:
+        if me not in g.devices:
+            continue
+        mine = g.pieces[g.devices.index(me)]
+        piece = local[mine.relative_to(tile)].contiguous()
+        for device, box in zip(g.devices, g.pieces):
+            if device == me:
+                continue
+            if mine.numel:
+                sends.append((dist.isend(piece, device, tag=tag), piece))
+            if box.numel:
+                buf = torch.empty(box.shape, dtype=local.dtype)
+                recvs.append((dist.irecv(buf, device, tag=tag), buf, box))
+    for work, buf, box in recvs:
+        work.wait()
+        local[box.relative_to(tile)] = buf
+    for work, _ in sends:
+        work.wait()
 
 
 def make_tag(crossing_index: int, microbatch: int) -> int:

@@ -25,7 +25,8 @@ class PipelineRunner:
     """Runs stage ``stage`` of a pipeline on this device."""
 
     def __init__(self, runner: StageRunner, stage: int, program: dict, crossings: list, meshes: list,
-                 specs: list[dict], value_meta: dict, order: list[tuple[str, int]], loss_node: str):
+                 specs: list[dict], value_meta: dict, order: list[tuple[str, int]], loss_node: str,
+                 gather: list[bool] | None = None):
         self.runner = runner
         self.stage = stage
         by_name = {r[1]: r for r in runner.nodes}
@@ -37,6 +38,8 @@ class PipelineRunner:
         self.value_meta = value_meta
         self.order = order
         self.loss_node = loss_node if loss_node in program["forward"] else None
+        self.gather = gather or [False] * len(crossings)
+        """Per crossing: resharded with Alpa's local all-gather in the destination mesh."""
 
     # ------------------------------------------------------------------ comm
     def _src_spec(self, c) -> str:
@@ -52,7 +55,7 @@ class PipelineRunner:
                 shape, dtype = self.value_meta[c.value]
                 env[c.value] = comm.recv(shape, getattr(torch, dtype), self._src_spec(c), self._dst_spec(c),
                                          self.meshes[c.src], self.meshes[c.dst], self.runner.mesh,
-                                         comm.make_tag(i, mb))
+                                         comm.make_tag(i, mb), self.gather[i])
 
     def _send(self, env: dict, mb: int, phase: str) -> list:
         works = []
@@ -64,7 +67,7 @@ class PipelineRunner:
                 want = to_dtensor_placements(ShardingSpec.parse(self._src_spec(c)))
                 value = self.runner._place(env[c.value], want)
                 works += comm.send(value, self._dst_spec(c), self.meshes[c.src], self.meshes[c.dst],
-                                   comm.make_tag(i, mb))
+                                   comm.make_tag(i, mb), self.gather[i])
         return works
 
     # ------------------------------------------------------------------ step

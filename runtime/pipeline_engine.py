@@ -53,7 +53,7 @@ def _psetup(state: dict, records_bytes: bytes, setup: dict, stage: int) -> bool:
         runner, stage, setup["programs"][stage], setup["crossings"],
         [mesh_placement(r, s) for r, s in zip(setup["ranks"], setup["shapes"])],
         [s["value_specs"] for s in setup["shardings"]], setup["value_meta"], setup["orders"][stage],
-        setup["loss_node"],
+        setup["loss_node"], setup["gather"],
     )
     return True
 
@@ -83,7 +83,8 @@ class PipelineEngine:
     """A multi-stage plan deployed on a ``WorkerGroup``."""
 
     def __init__(self, group: WorkerGroup, graph, stages: list[StageDeployment], stage_of: dict[str, int],
-                 num_microbatches: int, schedule: str = "1f1b", step_timeout_s: float = 600.0):
+                 num_microbatches: int, schedule: str = "1f1b", step_timeout_s: float = 600.0,
+                 cluster=None, dst_gather: bool | None = None):
         self.group, self.graph, self.stages = group, graph, stages
         self.num_microbatches = num_microbatches
         self.step_timeout_s = step_timeout_s
@@ -109,10 +110,33 @@ class PipelineEngine:
                    "outputs": [(s.kind, s.name, s.node) for s in graph.outputs]},
             "loss_node": loss_node,
         }
+        setup["gather"] = self._gather_flags(crossings, setup, cluster, dst_gather)
         records = pickle.dumps(serialize_graph(graph.gm))
         group.call_all(_psetup, records, setup, per_rank_args=[(self.stage_of_rank[r],) for r in range(group.world_size)])
         log.info("deployed %d stages, %d crossings, %d microbatches (%s)", len(stages), len(crossings),
                  num_microbatches, schedule)
+
+    def _gather_flags(self, crossings, setup: dict, cluster, dst_gather: bool | None) -> list[bool]:
+        """Per crossing: use Alpa's local all-gather in the destination mesh? (cost model decides)."""
+        if dst_gather is not None:
+            return [dst_gather] * len(crossings)
+        from .comm import mesh_placement, prefer_dst_gather
+
+        flags = []
+        for c in crossings:
+            specs = setup["shardings"]
+            src = specs[c.src]["value_specs"].get(c.value, "RR").replace("P", "R")
+            dst = specs[c.dst]["value_specs"].get(c.value, "RR")
+            shape, dtype = setup["value_meta"][c.value]
+            cross_beta, local_beta = 1.0, 1.0
+            if cluster is not None:
+                hosts = {cluster.num_hosts > 1 and r // cluster.devices_per_host for r in self.stages[c.src].ranks}
+                hosts_dst = {cluster.num_hosts > 1 and r // cluster.devices_per_host for r in self.stages[c.dst].ranks}
+                cross_link = cluster.intra_host_link if hosts == hosts_dst and len(hosts) == 1 else cluster.inter_host_link
+                cross_beta, local_beta = cross_link.beta_s_per_byte, cluster.intra_host_link.beta_s_per_byte
+            meshes = [mesh_placement(r, sh) for r, sh in zip(setup["ranks"], setup["shapes"])]
+            flags.append(prefer_dst_gather(shape, src, meshes[c.src], dst, meshes[c.dst], 4, cross_beta, local_beta))
+        return flags
 
     def load_state(self, values: dict[str, np.ndarray]) -> None:
         per_rank = [({k: v for k, v in values.items() if k in self.sources[self.stage_of_rank[r]]},)

@@ -52,7 +52,7 @@ def _plan(name, stages, microbatches, cheap, opt="adamw"):
     return model, optimizer, graph, stage_of, deployments
 
 
-def run_pipeline(name, hosts, devices, stages, microbatches, schedule, cheap=False, opt="adamw"):
+def run_pipeline(name, hosts, devices, stages, microbatches, schedule, cheap=False, opt="adamw", dst_gather=None):
     from runtime.engine import to_numpy_dict
     from runtime.group import WorkerGroup
     from runtime.pipeline_engine import PipelineEngine
@@ -66,7 +66,7 @@ def run_pipeline(name, hosts, devices, stages, microbatches, schedule, cheap=Fal
         for key, v in functional.initial_state(n, values[n]).items():
             values[f"{n}.{key}"] = v
     with WorkerGroup.start(Cluster.local(hosts, devices)) as group:
-        engine = PipelineEngine(group, graph, deployments, stage_of, microbatches, schedule)
+        engine = PipelineEngine(group, graph, deployments, stage_of, microbatches, schedule, dst_gather=dst_gather)
         engine.load_state(to_numpy_dict(values))
         for i in range(3):
             batch = make_batch(name, BATCH, seed=i)
@@ -100,6 +100,22 @@ UNEVEN = [[0, 0, [0], [1, 1]], [1, 1, [1], [1, 1]], [2, 2, [2, 3], [1, 2]]]
 )
 def test_pipeline_matches_eager(name, hosts, devices, stages, microbatches, schedule, cheap):
     run_pipeline(name, hosts, devices, stages, microbatches, schedule, cheap)
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_cross_mesh_local_all_gather_matches_eager():
+    """Alpa's local all-gather: boxes cross once, the replicated destination gathers."""
+    run_pipeline("gpt", 2, 2, UNEVEN, 2, "1f1b", cheap=False, dst_gather=True)
+
+
+def test_local_all_gather_halves_cross_bytes_into_a_replicated_submesh():
+    from runtime.comm import _plan, mesh_placement, prefer_dst_gather
+
+    src, dst = mesh_placement([0], (1, 1)), mesh_placement([2, 3], (1, 2))
+    direct, gathered = _plan((8, 16), "RR", src, "RR", dst, False), _plan((8, 16), "RR", src, "RR", dst, True)
+    assert gathered.cross_bytes * 2 == direct.cross_bytes
+    assert prefer_dst_gather((8, 16), "RR", src, "RR", dst, 4, cross_beta_s=1.0, local_beta_s=0.1)
+    assert not prefer_dst_gather((8, 16), "RR", src, "RR", dst, 4, cross_beta_s=0.1, local_beta_s=1.0)
 
 
 def test_partition_crossings_flow_forward_then_backward():
