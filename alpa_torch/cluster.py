@@ -5,7 +5,9 @@ Owns the hardware description the planner reads (``DeviceSpec``, ``LinkSpec``,
 logical-mesh enumeration (DESIGN.md, "The planning problem"). It does not
 estimate operator or collective costs (``intra_ilp`` does that from these
 numbers) and never starts workers (``runtime`` does). Inputs come from the user:
-``Cluster.local`` / ``simulated`` / ``from_ray`` / a dict, JSON or YAML file.
+``Cluster.local`` / ``simulated`` / ``from_ray`` / a dict, JSON or YAML file, or
+``Cluster.profile``, which measures the real workers (``runtime/profile.py``) and
+returns a calibrated copy.
 
 Device numbering is host-major everywhere: local device ``i`` of host ``h`` is
 global device ``h * devices_per_host + i``. A submesh is ``(hosts, devices)``.
@@ -54,6 +56,18 @@ def _check_positive(owner: str, name: str, value: object, fix: str) -> None:
 def _check_count(owner: str, name: str, value: object, fix: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         _fail(owner, name, value, "must be an integer >= 1", fix)
+
+
+# Collectives the cost model prices; ``Cluster.collective_beta_scale`` keys (case, '_' and '-' ignored).
+COLLECTIVES = ("allreduce", "allgather", "reducescatter", "alltoall", "p2p")
+
+
+def _canonical_collective(key: object) -> str:
+    name = str(key).lower().replace("_", "").replace("-", "")
+    if not isinstance(key, str) or name not in COLLECTIVES:
+        _fail("Cluster", "collective_beta_scale", key, f"keys must name a collective, one of {COLLECTIVES}",
+              "spell it like 'allgather' or 'all_gather'")
+    return name
 
 
 def _host_memory_bytes() -> int:
@@ -246,6 +260,14 @@ class Cluster:
     """torch threads per device; used for local CPU devices."""
     is_local: bool = False
     """True when the devices are virtual CPU devices on this machine."""
+    collective_beta_scale: dict[str, float] = field(default_factory=dict, hash=False)
+    """Multiplier on a link's β (seconds per byte) per collective, keyed by a name in ``COLLECTIVES``
+    ('allgather', 'reducescatter', ...); a missing key means 1.0. On gloo, all-gather and
+    reduce-scatter move bytes 3-4x slower than all-reduce (FINDINGS.md); NCCL's ratios are near 1.
+    ``profile`` measures them. Keys are stored in canonical form ('all_gather' -> 'allgather')."""
+    profiled: dict[str, Any] = field(default_factory=dict, hash=False)
+    """Empty, or what ``profile`` measured and fitted (date, sizes, raw timings, per-collective
+    alpha/beta): plain JSON data, kept so a person can check the calibration."""
 
     def __post_init__(self) -> None:
         _check_count("Cluster", "num_hosts", self.num_hosts, "give the number of machines, at least 1")
@@ -263,7 +285,37 @@ class Cluster:
             _fail("Cluster", "is_local", self.is_local, "must be a bool", "use True or False")
         if self.is_local and self.backend != "gloo":
             _fail("Cluster", "backend", self.backend, "local virtual CPU devices need 'gloo'", "use backend='gloo'")
+        self._check_calibration()
 
+    def _check_calibration(self) -> None:
+        """Validate and own-copy ``collective_beta_scale`` and ``profiled`` (no aliasing of the caller's dicts)."""
+        if not isinstance(self.collective_beta_scale, Mapping):
+            _fail("Cluster", "collective_beta_scale", self.collective_beta_scale, "must be a dict",
+                  "give {'allgather': 3.5, ...} or leave it out")
+        scales = {}
+        for key, value in self.collective_beta_scale.items():
+            name = _canonical_collective(key)
+            _check_positive("Cluster", f"collective_beta_scale[{key!r}]", value,
+                            "give the collective's beta divided by the link's (all-reduce) beta")
+            if name in scales:
+                _fail("Cluster", "collective_beta_scale", key, f"names {name!r} twice", "keep one spelling")
+            scales[name] = float(value)
+        object.__setattr__(self, "collective_beta_scale", scales)
+        if not isinstance(self.profiled, Mapping):
+            _fail("Cluster", "profiled", self.profiled, "must be a dict", "leave it to Cluster.profile")
+        try:
+            plain = json.loads(json.dumps(dict(self.profiled), allow_nan=False))
+        except (TypeError, ValueError) as exc:
+            _fail("Cluster", "profiled", self.profiled, f"must be plain JSON data ({exc})",
+                  "use str keys, lists, finite numbers and strings")
+        if plain != self.profiled:
+            _fail("Cluster", "profiled", self.profiled, "must survive a JSON round trip unchanged",
+                  "use str keys and lists, not int keys or tuples")
+        object.__setattr__(self, "profiled", plain)
+
+    def beta_scale(self, collective: str) -> float:
+        """``collective_beta_scale`` for ``collective`` (any spelling of a name in ``COLLECTIVES``), 1.0 if unset."""
+        return self.collective_beta_scale.get(_canonical_collective(collective), 1.0)
     @property
     def num_devices(self) -> int:
         """N × M."""
@@ -321,7 +373,8 @@ class Cluster:
         missing = [k for k in _REQUIRED_KEYS if k not in d]
         if unknown or missing:
             raise ClusterSpecError(f"cluster description has unknown keys {unknown} and lacks keys {missing}. "
-                                   f"Fix: use the keys {allowed} (backend, threads_per_device, is_local optional).")
+                                   f"Fix: use the keys {allowed} (backend, threads_per_device, is_local, "
+                                   "collective_beta_scale, profiled optional).")
         kwargs = dict(d)
         kwargs["device"] = _build(DeviceSpec, "device", d["device"], DEVICE_SPECS)
         kwargs["intra_host_link"] = _build(LinkSpec, "link", d["intra_host_link"], LINK_SPECS)
@@ -359,6 +412,17 @@ class Cluster:
     def to_yaml(self, path: str | os.PathLike[str]) -> None:
         """Write ``to_dict()`` as YAML; ``from_yaml`` gives back an equal cluster."""
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    # ------------------------------------------------------------- calibration
+    def profile(self, **kwargs: Any) -> Cluster:
+        """Measure this cluster's workers and return a calibrated copy (this one is unchanged).
+
+        Starts a ``WorkerGroup`` on Ray unless ``group=`` is given; keyword arguments go to
+        ``runtime.profile.profile_cluster`` (``sizes_bytes``, ``repeats``, ``group``, ...).
+        """
+        from runtime.profile import profile_cluster  # noqa: PLC0415 (imports ray and torch: only when asked)
+
+        return profile_cluster(self, **kwargs)
 
     # ------------------------------------------------------- submeshes (Alpa §5)
     def submesh_shapes(self) -> tuple[Shape, ...]:
@@ -432,6 +496,10 @@ class Cluster:
                 f"inter-host {link(self.inter_host_link)}; backend {self.backend}")
         if self.is_local:
             text += f"; local virtual CPU devices, {self.threads_per_device} thread(s) each"
+        if self.collective_beta_scale:
+            text += "; beta x " + ", ".join(f"{k} {v:.2g}" for k, v in self.collective_beta_scale.items())
+        if self.profiled:
+            text += f"; profiled {self.profiled.get('date', '?')}"
         return text
 
 
