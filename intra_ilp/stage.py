@@ -5,12 +5,17 @@
 - one ILP node per value: every operator (strategies from ``strategies.py``),
   and every value the stage reads but does not compute (parameters, optimizer
   state, batch, values from other stages), whose choices are its specs;
-- node cost = compute time of the operator's local share (roofline);
+- node cost = compute time of the operator's local share (roofline: the FLOP
+  share of the strategy, the bytes it really reads and writes, ``_local_work``);
+  feeding the batch costs its local bytes / memory bandwidth (sharded is cheaper);
 - one edge per operator input: the resharding cost from each producer spec to
   the spec each consumer strategy wants (``cost_model.reshard_matrix_s``);
 - an edge from each updated parameter / optimizer state / buffer back to its
   stored input: storing it in another layout costs a reshard every step;
-- ``getitem`` of a multi-output operator follows its producer (a Follower);
+- Followers: ``getitem`` of a multi-output operator follows its producer; a view
+  of a stored value keeps its layout (``_alias_stored``: gathers are transient);
+- tie groups (``exploit_repetition``): nodes of repeated layers take the same
+  strategy (``_Builder.tie_groups``);
 - one memory point (the forward/backward boundary, where training peaks):
   parameters, optimizer state and buffers, gradients, and forward values the
   backward reads.
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 import time
 from dataclasses import dataclass
 
@@ -32,11 +38,15 @@ import torch
 import torch.fx as fx
 
 from . import cost_model as cm
+from alpa_torch.errors import PlanError
+
 from .instance import Follower, ILPEdge, ILPInstance, ILPNode
 from .spec import ShardingSpec
 from .strategies import Strategy, node_strategies, source_specs
 
 GRAD_MARKER_NAME = "alpa.grad.default"
+WL_ROUNDS = 3
+"""Rounds of label refinement for ``exploit_repetition`` (the radius of the likeness test)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,47 +103,106 @@ def _itemsize(v: torch.Tensor) -> int:
     return v.element_size()
 
 
-def _local_fraction(st: Strategy, shapes: list, mesh_shape) -> float:
-    """Share of the operator's work one device does: the smallest local share of any
-    of its tensors (a partial-sum output holds a full-size summand, so it counts 1)."""
-    frac = 1.0
-    for spec, shape in zip(st.inputs + st.outputs, shapes):
-        if spec is None or shape is None or spec.has_partial and spec in st.outputs:
+def _local_work(st: Strategy, tensors: list, mesh_shape) -> tuple[float, float]:
+    """(share of the FLOPs, bytes moved) of one device running strategy ``st``.
+
+    ``tensors`` are the fake values of the inputs then the outputs (None for a
+    non-tensor). The FLOP share is the smallest local share of any tensor (a
+    matmul with one operand cut in n does 1/n of the products; a partial-sum
+    output holds a full-size summand, so it does not count). Bytes are what the
+    device really reads and writes: each tensor at its local size, a partial
+    output at full size (an embedding over vocab shards still writes every row).
+    """
+    frac, nbytes = 1.0, 0.0
+    for spec, val in zip(st.inputs + st.outputs, tensors):
+        if spec is None or val is None:
             continue
-        full = max(math.prod(shape), 1)
-        frac = min(frac, spec.local_numel(shape, mesh_shape) / full)
-    return frac
+        shape = tuple(val.shape)
+        local = spec.local_numel(shape, mesh_shape)
+        nbytes += local * val.element_size()
+        if spec.has_partial and spec in st.outputs:
+            continue
+        frac = min(frac, local / max(math.prod(shape), 1))
+    return frac, nbytes
 
 
 class _Builder:
-    def __init__(self, graph, mesh: cm.MeshCost, names: set[str] | None):
+    def __init__(self, graph, mesh: cm.MeshCost, names: set[str] | None, force: dict[str, str] | None = None):
         self.graph, self.mesh = graph, mesh
+        by_input = {s.name: s.node for s in graph.inputs}
+        self.force = {by_input.get(k, k): ShardingSpec.parse(v) for k, v in (force or {}).items()}
         self.gm_nodes = {n.name: n for n in graph.gm.graph.nodes}
         calls = [n for n in graph.gm.graph.nodes if n.op == "call_function"]
         self.ops = [n for n in calls if names is None or n.name in names]
-        op_names = {n.name for n in self.ops}
+        op_names = self.op_names = {n.name for n in self.ops}
         sources = {a.name for n in self.ops for a in n.all_input_nodes if a.name not in op_names}
+        self.stored = {s.node for s in graph.inputs if s.kind in ("param", "opt_state", "buffer")}
+        self.fed = {s.node for s in graph.inputs if s.kind == "batch"}
         self.order = [n.name for n in graph.gm.graph.nodes if n.name in sources or n.name in op_names]
         self.index = {name: i for i, name in enumerate(self.order)}
         self.options: dict[str, list[Strategy]] = {}
         self.followers: list[Follower] = []
+        # Repeated layers: equal strategy lists are one object, so costs, names and reshard
+        # matrices are computed once per list (keyed by id) instead of once per node.
+        self._lists: dict[tuple, list[Strategy]] = {}
+        self._names: dict[int, tuple[str, ...]] = {}
+        self._matrices: dict[tuple, np.ndarray] = {}
 
-    def out_spec(self, name: str, k: int) -> ShardingSpec | None:
-        return self.options[name][k].outputs[0] if self.options[name][k].outputs else None
+    def _shared(self, strategies: list[Strategy]) -> list[Strategy]:
+        return self._lists.setdefault(tuple(strategies), strategies)
+
+    def names_of(self, name: str) -> tuple[str, ...]:
+        opts = self.options[name]
+        if id(opts) not in self._names:
+            self._names[id(opts)] = tuple(st.name for st in opts)
+        return self._names[id(opts)]
 
     def strategies(self) -> None:
         for name in self.order:
             node = self.gm_nodes[name]
-            if node.op != "call_function":
-                self.options[name] = [Strategy((), (s,)) for s in source_specs(_val(node), 2)]
+            if name not in self.op_names:  # a value the stage reads: a placeholder or another stage's
+                self.options[name] = self._shared([Strategy((), (s,)) for s in source_specs(_val(node), 2)])
             elif node.target is operator.getitem:
                 self._getitem(node)
             elif str(node.target) == GRAD_MARKER_NAME:
                 src = node.all_input_nodes[0]
                 specs = source_specs(_val(src), 2, allow_partial=True)
-                self.options[name] = [Strategy((s,), (s,)) for s in specs]
+                self.options[name] = self._shared([Strategy((s,), (s,)) for s in specs])
             else:
                 self.options[name] = node_strategies(node, self.mesh.mesh_shape)
+                self._alias_stored(node)
+            if name in self.force:
+                self._restrict(name)
+
+    def _restrict(self, name: str) -> None:
+        """Keep only the strategies whose output is the forced spec."""
+        want = self.force[name]
+        kept = [st for st in self.options[name] if st.outputs and st.outputs[0] == want]
+        if not kept:
+            have = sorted({str(st.outputs[0]) for st in self.options[name] if st.outputs})
+            raise PlanError(f"cannot force {name!r} to {want}: its possible specs here are {have}")
+        self.options[name] = kept
+
+    def _alias_stored(self, node: fx.Node) -> None:
+        """A view of a stored value (``t(weight)``) keeps the stored layout (a Follower).
+
+        The view aliases the stored tensor, so a gather for a consumer happens at
+        that consumer and is transient (freed after use), as in FSDP; the
+        backward's view pays its own gather again. Were the gather allowed into
+        the view's input, the gathered copy would live from the forward to the
+        backward while the memory row, which follows views to the stored root,
+        counted only the sharded original.
+        """
+        facts = self.graph.nodes.get(node.name)
+        src = node.all_input_nodes[0] if node.all_input_nodes else None
+        if facts is None or not facts.is_view or src is None or src.name not in self.stored:
+            return
+        opts = self.options[node.name]
+        mapping = []
+        for st in self.options[src.name]:
+            spec = st.outputs[0]
+            mapping.append(next((k for k, o in enumerate(opts) if o.inputs and o.inputs[0] == spec), -1))
+        self.followers.append(Follower(self.index[node.name], self.index[src.name], np.array(mapping)))
 
     def _getitem(self, node: fx.Node) -> None:
         producer, idx = node.args
@@ -144,26 +213,46 @@ class _Builder:
             if spec not in outs:
                 outs.append(spec)
             mapping.append(outs.index(spec))
-        self.options[node.name] = [Strategy((), (s,)) for s in outs]
+        self.options[node.name] = self._shared([Strategy((), (s,)) for s in outs])
         self.followers.append(Follower(self.index[node.name], self.index[producer.name], np.array(mapping)))
 
     def ilp_nodes(self) -> list[ILPNode]:
+        cache: dict[tuple, tuple] = {}  # repeated layers: one costing per (strategy list, shapes)
         out = []
         for name in self.order:
             node, opts = self.gm_nodes[name], self.options[name]
             val = _val(node)
-            mem = [self._bytes(s.outputs[0] if s.outputs else None, val) for s in opts]
-            comp = np.zeros(len(opts))
-            if node.op == "call_function" and name in self.graph.nodes:
-                facts = self.graph.nodes[name]
-                shapes = [tuple(_val(a).shape) for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor)]
-                shapes += [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in _as_list(val)]
-                for k, st in enumerate(opts):
-                    frac = _local_fraction(st, shapes, self.mesh.mesh_shape)
-                    comp[k] = cm.compute_s(self.mesh, facts.flops * frac, (facts.bytes_read + facts.bytes_written) * frac)
-            out.append(ILPNode(name=name, strategy_names=tuple(s.name for s in opts), compute_s=comp,
-                               comm_s=np.zeros(len(opts)), memory_bytes=np.array(mem, dtype=float)))
+            tensors = [_val(a) for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor)]
+            tensors += [v if isinstance(v, torch.Tensor) else None for v in _as_list(val)]
+            facts = self.graph.nodes.get(name) if name in self.op_names else None
+            role = "op" if facts is not None else "fed" if name in self.fed else "source"
+            if str(node.target) == GRAD_MARKER_NAME:
+                role = "free"  # an identity the runtime skips
+            key = (id(opts), role, facts and (facts.flops, facts.is_view),
+                   tuple((tuple(t.shape), t.dtype) if t is not None else None for t in tensors))
+            if key not in cache:
+                cache[key] = self._costs(opts, val, tensors, role, facts)
+            comp, mem = cache[key]
+            out.append(ILPNode(name=name, strategy_names=self.names_of(name), compute_s=comp,
+                               comm_s=np.zeros(len(opts)), memory_bytes=mem))
         return out
+
+    def _costs(self, opts, val, tensors, role, facts):
+        """(compute_s, memory_bytes) of one node."""
+        mem = np.array([self._bytes(s.outputs[0] if s.outputs else None, val) for s in opts], dtype=float)
+        comp = np.zeros(len(opts))
+        if role == "fed":
+            # Input load: the batch is written into each device's memory every step at its
+            # local size, so feeding it sharded costs less (and a free R -> S slice later
+            # does not leave the choice to chance). Values of other stages / layers are
+            # priced by whoever moves them (the stage DP, cross-mesh resharding).
+            comp = mem / self.mesh.memory_bandwidth_bytes_per_s
+        elif role == "op":
+            for k, st in enumerate(opts):
+                frac, nbytes = _local_work(st, tensors, self.mesh.mesh_shape)
+                nbytes = 0.0 if facts.is_view else nbytes  # views move no data
+                comp[k] = cm.compute_s(self.mesh, facts.flops * frac, nbytes)
+        return comp, mem
 
     def _bytes(self, spec, val) -> float:
         if spec is None or not isinstance(val, torch.Tensor):
@@ -177,19 +266,74 @@ class _Builder:
                 continue
             inputs = [a for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor)]
             for j, src in enumerate(inputs):
-                out.append(self._edge(src.name, node.name, [st.inputs[j] for st in self.options[node.name]]))
+                out.append(self._edge(src.name, node.name, j))
         for spec in self.graph.outputs:
             stored = next((s for s in self.graph.inputs if s.kind == spec.kind and s.name == spec.name), None)
             if stored is None or spec.node == stored.node or spec.node not in self.index or stored.node not in self.index:
                 continue
-            out.append(self._edge(spec.node, stored.node, [s.outputs[0] for s in self.options[stored.node]]))
+            out.append(self._edge(spec.node, stored.node, None))
         return out
 
-    def _edge(self, src: str, dst: str, dst_specs: list[ShardingSpec]) -> ILPEdge:
+    def _edge(self, src: str, dst: str, j: int | None) -> ILPEdge:
+        """Resharding from ``src``'s output to ``dst``'s input ``j`` (None: ``dst``'s stored spec)."""
         val = _val(self.gm_nodes[src])
-        src_specs = [self.out_spec(src, k) or ShardingSpec.replicated(2) for k in range(len(self.options[src]))]
-        matrix = cm.reshard_matrix_s(self.mesh, src_specs, dst_specs, tuple(val.shape), _itemsize(val))
-        return ILPEdge(self.index[src], self.index[dst], matrix)
+        src_opts, dst_opts = self.options[src], self.options[dst]
+        key = (id(src_opts), id(dst_opts), j, tuple(val.shape), _itemsize(val))
+        if key not in self._matrices:
+            src_specs = [st.outputs[0] if st.outputs and st.outputs[0] else ShardingSpec.replicated(2)
+                         for st in src_opts]
+            dst_specs = [st.outputs[0] if j is None else st.inputs[j] for st in dst_opts]
+            self._matrices[key] = cm.reshard_matrix_s(self.mesh, src_specs, dst_specs, key[3], key[4])
+        return ILPEdge(self.index[src], self.index[dst], self._matrices[key])
+
+    def tie_groups(self, rounds: int = WL_ROUNDS) -> list[tuple[int, ...]]:
+        """Nodes of repeated layers, which must take the same strategy index.
+
+        Weisfeiler-Lehman refinement: a node's first label is what fixes its
+        strategy list (operator, non-tensor arguments, output shapes, the list
+        itself; for a graph input its kind, shape and name with the layer index
+        blanked, ``blocks.#.mlp.0.weight``); each round adds the labels of its
+        inputs (in order) and of its users (with the argument position). After
+        ``rounds`` rounds two nodes share a label when their neighbourhoods of
+        that radius look alike: the same operator in another copy of a layer.
+        The first label contains the strategy list, so tied nodes always have
+        identical lists (what ``ILPInstance`` requires); nodes within ``rounds``
+        hops of the model's ends keep their own variables. Followers are never
+        tied themselves.
+        """
+        names = {s.node: s for s in self.graph.inputs}
+        ins = [[self.index[a.name] for a in self.gm_nodes[n].all_input_nodes if a.name in self.index]
+               if n in self.op_names else [] for n in self.order]
+        users: list[list[tuple[int, int]]] = [[] for _ in self.order]
+        for v, us in enumerate(ins):
+            for pos, u in enumerate(us):
+                users[u].append((v, pos))
+        intern: dict[tuple, int] = {}
+        labels = []
+        for n in self.order:
+            node, val = self.gm_nodes[n], _val(self.gm_nodes[n])
+            what = (tuple(val.shape), str(val.dtype)) if isinstance(val, torch.Tensor) else repr(val)
+            if n in self.op_names:
+                args = fx.node.map_arg((node.args, node.kwargs), lambda a: "#")
+                args = () if str(node.target) == GRAD_MARKER_NAME else args  # its int names the parameter
+                key = ("op", str(node.target), repr(args), repr(what))
+            elif n in names:
+                key = ("input", names[n].kind, re.sub(r"\d+", "#", names[n].name, count=1), repr(what))
+            else:
+                key = ("value", repr(what))
+            labels.append(intern.setdefault(key + (self.names_of(n),), len(intern)))
+        for _ in range(rounds):
+            labels = [intern.setdefault((labels[v], tuple(labels[u] for u in ins[v]),
+                                         tuple(sorted((labels[w], p) for w, p in users[v]))), len(intern))
+                      for v in range(len(self.order))]
+        # Followers (getitems, aliasing views) already move with their leader; tying them
+        # too would join groups whose tables are not injective, a product in reduce.py.
+        followers = {f.follower for f in self.followers}
+        groups: dict[int, list[int]] = {}
+        for v, lab in enumerate(labels):
+            if v not in followers:
+                groups.setdefault(lab, []).append(v)
+        return [tuple(g) for g in groups.values() if len(g) > 1]
 
     def memory_point(self) -> tuple[list[int], list[int]]:
         """(persistent, activation) ILP node indices live at the forward/backward boundary."""
@@ -219,15 +363,25 @@ def _as_list(val):
 
 
 def build_stage_instance(graph, mesh: cm.MeshCost, *, names: set[str] | None = None,
-                         memory_budget_bytes: float = math.inf):
-    """The ILP of the operators ``names`` (all when None) on ``mesh``; returns (instance, builder)."""
-    b = _Builder(graph, mesh, names)
+                         memory_budget_bytes: float = math.inf, exploit_repetition: bool = True,
+                         force: dict[str, str] | None = None):
+    """The ILP of the operators ``names`` (all when None) on ``mesh``; returns (instance, builder).
+
+    ``exploit_repetition`` ties the nodes of repeated layers (``_Builder.tie_groups``):
+    one strategy choice per operator of a layer instead of one per layer, which
+    shrinks the reduced ILP about L-fold; every tied plan is a valid plan of the
+    untied problem, possibly not its optimum (boundary layers keep their own).
+    ``force`` fixes the spec of values: ``{'batch.0': 'RS(0)', 'fc.weight': 'RR'}``
+    (graph input names or fx node names), for experts and tests.
+    """
+    b = _Builder(graph, mesh, names, force)
     b.strategies()
     nodes = b.ilp_nodes()
     persistent, saved = b.memory_point()
     instance = ILPInstance(
         nodes=tuple(nodes), edges=tuple(b.edges()), liveness=(tuple(sorted(set(persistent) | set(saved))),),
         followers=tuple(b.followers), memory_budget_bytes=memory_budget_bytes,
+        tie_groups=tuple(b.tie_groups()) if exploit_repetition else (),
         metadata={"model": graph.meta.get("model", ""), "mesh_shape": list(mesh.mesh_shape)},
     )
     b.memory_rows = (persistent, saved)
@@ -236,12 +390,14 @@ def build_stage_instance(graph, mesh: cm.MeshCost, *, names: set[str] | None = N
 
 def solve_stage(graph, mesh: cm.MeshCost, *, names: set[str] | None = None,
                 memory_budget_bytes: float = math.inf, time_limit_s: float = 60.0,
-                mip_gap: float = 0.01) -> StageSharding:
+                mip_gap: float = 0.01, exploit_repetition: bool = True,
+                force: dict[str, str] | None = None) -> StageSharding:
     """Solve the sharding of a stage (``names``) on ``mesh``."""
     from .ilp import solve_instance
 
     t0 = time.perf_counter()
-    instance, b = build_stage_instance(graph, mesh, names=names, memory_budget_bytes=memory_budget_bytes)
+    instance, b = build_stage_instance(graph, mesh, names=names, memory_budget_bytes=memory_budget_bytes,
+                                       exploit_repetition=exploit_repetition, force=force)
     build_s = time.perf_counter() - t0
     sol = solve_instance(instance, time_limit_s=time_limit_s, mip_gap=mip_gap)
     chosen = {name: b.options[name][k] for name, k in zip(b.order, sol.strategy_index)}
@@ -250,7 +406,7 @@ def solve_stage(graph, mesh: cm.MeshCost, *, names: set[str] | None = None,
     return StageSharding(
         mesh_shape=tuple(mesh.mesh_shape),
         value_specs={n: st.outputs[0] for n, st in chosen.items() if st.outputs and st.outputs[0] is not None},
-        input_specs={n: st.inputs for n, st in chosen.items() if b.gm_nodes[n].op == "call_function"},
+        input_specs={n: st.inputs for n, st in chosen.items() if n in b.op_names},
         compute_s=sol.compute_s, comm_s=sol.comm_s, reshard_s=sol.reshard_s,
         persistent_bytes=float(sum(mem[i] for i in persistent)),
         activation_bytes=float(sum(mem[i] for i in saved)),

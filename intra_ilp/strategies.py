@@ -75,15 +75,30 @@ def to_dtensor_placements(spec: ShardingSpec):
     )
 
 
-def from_dtensor_placements(placements) -> ShardingSpec:
+def from_dtensor_placements(placements) -> ShardingSpec | None:
+    """Our spec of DTensor placements; None when ``ShardingSpec`` cannot say it.
+
+    Only plain ``Shard``, ``Replicate`` and ``Partial`` of a sum or a mean map.
+    A mean (``Partial('avg')``: a mean-reduced loss over a sharded batch) is
+    priced as ``P``: it reduces with the same collectives as a sum, and the
+    runtime keeps DTensor's own reduce op for a value already partial. A view
+    that flattens a sharded inner dim yields ``_StridedShard`` (a strided, not a
+    contiguous, chunk) and ``amax`` a ``Partial('max')``; reading those as
+    ``S(d)``, ``R`` or ``P`` would price and run a wrong layout, so strategies
+    using them are dropped.
+    """
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
     out = []
     for p in placements:
-        if p.is_shard():
+        if type(p) is Shard:
             out.append(S(p.dim))
-        elif p.is_partial():
+        elif isinstance(p, Partial) and p.reduce_op in ("sum", "avg"):
             out.append(P)
-        else:
+        elif isinstance(p, Replicate):
             out.append(R)
+        else:
+            return None
     return ShardingSpec(tuple(out))
 
 
@@ -179,7 +194,7 @@ def _from_rows(node: fx.Node, info, mesh, mesh_shape) -> list[Strategy]:
                 specs.append(None)
                 continue
             spec = from_dtensor_placements(per_axis)
-            if shapes[i] is not None and not _shardable(spec, shapes[i], mesh_shape):
+            if spec is None or shapes[i] is not None and not _shardable(spec, shapes[i], mesh_shape):
                 break
             specs.append(spec)
         else:
@@ -223,6 +238,8 @@ def _convert(op_strategy, n_inputs: int, n_outputs: int) -> list[Strategy]:
         inputs = tuple(from_dtensor_placements(i.placements) for i in (spec.input_specs or ()))
         if len(inputs) != n_inputs or len(outputs) != n_outputs:
             continue
+        if any(x is None for x in inputs) or any(x is None for x, o in zip(outputs, outs) if o is not None):
+            continue  # a placement ShardingSpec cannot express
         key = (inputs, outputs)
         if key not in seen:
             seen.add(key)
@@ -266,21 +283,25 @@ def _per_unique_input(strategies: list[Strategy], arg_nodes, unique) -> list[Str
 
 
 def _signature(node: fx.Node, mesh_shape) -> tuple:
-    """What the strategies of ``node`` depend on: op, argument structure, shapes."""
-    def key(a):
-        if isinstance(a, fx.Node):
-            v = a.meta.get("val")
-            return ("T", tuple(v.shape), str(v.dtype), a.name) if isinstance(v, torch.Tensor) else ("N", repr(v))
-        return repr(a)
+    """What the strategies of ``node`` depend on: op, argument structure, shapes.
 
-    args = torch.utils._pytree.tree_map(key, (node.args, node.kwargs))
-    names = [x[3] for x in torch.utils._pytree.tree_leaves(args) if isinstance(x, tuple) and x and x[0] == "T"]
-    # Argument identity matters only as a pattern (x * x differs from x * y).
+    Argument identity matters only as a pattern (``x * x`` differs from
+    ``x * y``), so the same operator in every layer of a model shares one key.
+    """
+    names: list[str] = []
+
+    def key(a: fx.Node):
+        v = a.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            names.append(a.name)
+            return ("T", tuple(v.shape), tuple(v.stride()), str(v.dtype))
+        return ("N", repr(v))
+
+    args = fx.node.map_arg((node.args, node.kwargs), key)
     pattern = tuple(names.index(n) for n in names)
-    strip = torch.utils._pytree.tree_map(lambda x: x[:3] if isinstance(x, tuple) and x and x[0] == "T" else x, args)
     out = node.meta.get("val")
     out_key = tuple(getattr(v, "shape", None) for v in (out if isinstance(out, (list, tuple)) else [out]))
-    return (str(node.target), repr(strip), pattern, repr(out_key), tuple(mesh_shape))
+    return (str(node.target), repr(args), pattern, repr(out_key), tuple(mesh_shape))
 
 
 _CACHE: dict[tuple, list[Strategy]] = {}
