@@ -25,3 +25,9 @@ __all__ = [
     "cluster_layers_detailed",
     "solve_stage_dp",
 ]
+
+# Layer assignment of a captured graph (``layer_assign``). The stage search lives in
+# ``stage_dp.search`` (``plan``), not re-exported: it imports torch and intra_ilp.
+from .layer_assign import LayerAssignment, assign_layers  # noqa: E402
+
+__all__ += ["LayerAssignment", "assign_layers"]

@@ -1,0 +1,421 @@
+"""Stage costs for the stage DP: one intra-op ILP per distinct layer and mesh, stitched.
+
+Owns: the latency and memory of every candidate stage (layers i..j on a
+logical mesh), priced with ``intra_ilp`` (``build_stage_instance`` +
+``solve_instance``, the maths of ``intra_ilp.stage``). Does not own the DP
+(``dp.py``), the choice of microbatches or the plan (``search.py``).
+
+Why per layer. One ILP costs 1-8 s here (mostly Pyomo model building), and a
+stage search on 64 devices has ~40 logical meshes and O(L²) layer ranges.
+So we solve one ILP per (distinct layer, mesh) and stitch ranges:
+
+    t(i..j) = Σ_{l=i..j} t_l + Σ_{i<=a<b<=j} x_ab
+
+- t_l: the ILP optimum of layer l alone (its forward, backward and update
+  operators; values from other layers are ILP sources with a free spec; only
+  the layer's own operators' compute is counted, see ``_phase_parts``);
+- x_ab: the resharding between the specs layer a's solution gives a value and
+  the input spec layer b's solution wants for it (``cost_model.reshard_s``),
+  summed over every edge between layers a and b (both directions). The
+  stitched specs are exactly what ``stage_sharding`` hands the runtime, so x
+  is the true price of running the per-layer solutions together, but a joint
+  ILP over i..j may find a cheaper compromise (an upper bound on the ILP).
+- layers with the same signature (``layer_assign.LayerSignatures``: same
+  operator targets, shapes, dtypes, phases and wiring, as the blocks of a
+  transformer) share one ILP solve.
+
+Memory adds up the same way: persistent (parameters, optimizer state,
+gradients) and activation (forward values kept for backward) bytes per device.
+
+Each cost is split by phase: forward+backward (``fb``: paid per microbatch)
+and ``update`` (paid once per step), so ``search.py`` can scale them apart.
+An ILP edge counts in the phase of the operator consuming it, so the gradient
+all-reduce before the optimizer is update cost.
+
+Variants (``MeshConfig.variant``), each its own column of the DP:
+
+- ``fast``: the time-optimal ILP;
+- ``lean``: least time with each layer within ``MeshConfig.layer_budget_bytes``
+  (``search`` sets it to the device memory over the layers a stage on that
+  submesh holds in a proportional split, ceil(L n / D)); a layer whose
+  ``fast`` solution already fits reuses it, and a cap no strategy meets is
+  raised to 1.02 × the least achievable peak;
+- ``min``: least time within 1.02 × the least achievable peak
+  (``ilp.min_peak_memory``), tried only when nothing else fits.
+
+In the memory rows of ``lean`` / ``min`` ILPs activations weigh
+``activation_scale`` (one microbatch of the largest candidate B).
+``sharding=False``: only (n, 1) meshes, and parameters, optimizer state and
+buffers are forced replicated (a 1e3 s penalty on every other spec): every
+device holds the whole model state, as in data parallelism (the ILP still
+picks how each operator splits its work; the batch dim is the cheap one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import operator
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from alpa_torch.errors import InfeasibleMemoryError
+from intra_ilp import cost_model as cm
+from intra_ilp.ilp import min_peak_memory, solve_instance
+from intra_ilp.stage import StageSharding, build_stage_instance
+
+from .layer_assign import LayerAssignment, LayerSignatures
+
+logger = logging.getLogger(__name__)
+
+REPLICATE_PENALTY_S = 1e3
+LEAN_SLACK = 1.02
+_PARTS = ("compute_fb_s", "comm_fb_s", "compute_update_s", "comm_update_s",
+          "persistent_bytes", "activation_bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class MeshConfig:
+    """One column of the DP's config axis: a logical mesh on a submesh, and an ILP variant."""
+
+    submesh_index: int
+    submesh: tuple[int, int]
+    logical_shape: tuple[int, int]
+    variant: str = "fast"
+    """'fast', 'lean' or 'min' (module docstring)."""
+    layer_budget_bytes: float | None = None
+    """'lean' only: the memory cap of each layer's ILP."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerCost:
+    """One layer on one logical mesh, at the batch the graph was captured with."""
+
+    compute_fb_s: float
+    comm_fb_s: float
+    """Collectives + resharding of forward/backward operators."""
+    compute_update_s: float
+    comm_update_s: float
+    persistent_bytes: float
+    activation_bytes: float
+    sharding: StageSharding
+    """Specs keyed by the names of the signature's representative layer."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RangeCosts:
+    """float64 [L, L] per part (entry [i, j], i <= j: layers i..j), captured batch."""
+
+    compute_fb_s: np.ndarray
+    comm_fb_s: np.ndarray
+    compute_update_s: np.ndarray
+    comm_update_s: np.ndarray
+    persistent_bytes: np.ndarray
+    activation_bytes: np.ndarray
+
+
+def batch_size(graph) -> int:
+    """Leading dim of the first batch input the graph was captured with (1 if none)."""
+    shapes = graph.meta.get("batch_shapes") or []
+    return int(shapes[0][0]) if shapes and len(shapes[0]) else 1
+
+
+def _val(node):
+    return node.meta.get("val")
+
+
+class StageCostModel:
+    """Prices stages of ``graph`` on ``cluster`` for the stage DP (module docstring).
+
+    Holds its own caches (one ILP per distinct layer, mesh and variant): share one
+    object between ``plan`` calls on the same graph, cluster and layers.
+    ``logical_shapes``: 'alpa' (Alpa's ``single_node_model_parallel`` space of
+    ``get_one_submesh_autosharding_config_choices``: every (dp, tp) with tp <= devices
+    per host and dp dividing the batch size) or 'all'. A mesh (a, b), a < b, whose axes
+    use the same links as (b, a) is left out: it is (b, a) with the axes swapped.
+    ``solution_cache``: a dict to keep per-layer ILP solutions in, shareable between
+    models of the same graph and layers on other clusters (a solution depends only on
+    the layer and the ``MeshCost``, so e.g. local 1x4 and 2x2 clusters share most).
+    ``dtype``: whose peak FLOP/s prices compute; default the first parameter's dtype.
+    """
+
+    def __init__(self, graph, cluster, layers: LayerAssignment, *, sharding: bool = True,
+                 logical_shapes: str = "alpa", ilp_time_limit_s: float = 60.0, mip_gap: float = 0.01,
+                 progress: Callable[[str], None] | None = None, solution_cache: dict | None = None,
+                 dtype: str | None = None):
+        if logical_shapes not in ("alpa", "all"):
+            raise ValueError(f"logical_shapes must be 'alpa' or 'all', got {logical_shapes!r}")
+        self.graph, self.cluster, self.layers = graph, cluster, layers
+        self.sharding, self.logical_shapes = bool(sharding), logical_shapes
+        self.ilp_time_limit_s, self.mip_gap = ilp_time_limit_s, mip_gap
+        self.progress = progress or (lambda msg: None)
+        params = [s.dtype for s in graph.inputs if s.kind == "param"]
+        self.dtype = dtype or (params[0] if params else "float32")
+        self.fx_nodes = {n.name: n for n in graph.gm.graph.nodes}
+        self.sigs = LayerSignatures(graph, layers)
+        self.submeshes: tuple[tuple[int, int], ...] = tuple(cluster.submesh_shapes())
+        self.configs: tuple[MeshConfig, ...] = self._configs()
+        self.cross_edges = self._cross_edges()
+        self._solutions: dict[tuple, LayerCost] = {} if solution_cache is None else solution_cache
+        self._key = (id(graph), hash(tuple(layers.layer_of.items())), self.sharding)
+        self._ranges: dict[tuple, RangeCosts] = {}
+        self.num_ilps = 0
+        self.ilp_s = 0.0
+
+    # ------------------------------------------------------------ configs
+    def mesh_cost(self, cfg: MeshConfig) -> cm.MeshCost:
+        return cm.MeshCost.from_cluster(self.cluster, cfg.submesh, cfg.logical_shape, self.dtype)
+
+    def _configs(self) -> tuple[MeshConfig, ...]:
+        out = []
+        for s, sub in enumerate(self.submeshes):
+            shapes = list(self.cluster.logical_mesh_shapes(sub))
+            if not self.sharding:
+                shapes = [(a, b) for a, b in shapes if b == 1]
+            elif self.logical_shapes == "alpa":
+                batch = batch_size(self.graph)
+                shapes = [(a, b) for a, b in shapes if b <= self.cluster.devices_per_host and batch % a == 0]
+            for a, b in shapes:
+                if a < b and (b, a) in shapes and self._symmetric(sub, (a, b)):
+                    continue
+                out.append(MeshConfig(s, tuple(sub), (a, b)))
+        return tuple(out)
+
+    def _symmetric(self, sub, shape) -> bool:
+        m1 = cm.MeshCost.from_cluster(self.cluster, sub, shape)
+        m2 = cm.MeshCost.from_cluster(self.cluster, sub, shape[::-1])
+        return m1.alpha_s == m2.alpha_s[::-1] and m1.beta_s_per_byte == m2.beta_s_per_byte[::-1]
+
+    # ------------------------------------------------------------ per-layer ILPs
+    def layer_cost(self, layer: int, cfg: MeshConfig, activation_scale: float = 1.0) -> LayerCost:
+        """The ILP solution of ``layer`` on ``cfg`` (cached by signature)."""
+        rep = self.sigs.rep_of[layer]
+        mesh = self.mesh_cost(cfg)
+        if cfg.variant == "fast" or not self.sharding:
+            key = (self._key, rep, mesh, "fast", None, None)
+        else:
+            key = (self._key, rep, mesh, cfg.variant, cfg.layer_budget_bytes, activation_scale)
+        if key not in self._solutions:
+            fast = None
+            if key[3] == "lean":  # reuse the fast solution when it already fits
+                fast = self.layer_cost(layer, dataclasses.replace(cfg, variant="fast", layer_budget_bytes=None))
+                if fast.persistent_bytes + activation_scale * fast.activation_bytes > cfg.layer_budget_bytes:
+                    fast = None
+            if fast is None:
+                self.progress(f"ILP {self.num_ilps + 1}: layer {rep} ({len(self.sigs.ops[rep])} ops) on mesh "
+                              f"{cfg.logical_shape} of submesh {cfg.submesh}, {key[3]}")
+            self._solutions[key] = fast or self._solve(rep, mesh, key[3], cfg.layer_budget_bytes,
+                                                       activation_scale)
+        return self._solutions[key]
+
+    def _solve(self, rep: int, mesh: cm.MeshCost, variant: str, cap: float | None,
+               scale: float) -> LayerCost:
+        t0 = time.perf_counter()
+        instance, b = build_stage_instance(self.graph, mesh, names=set(self.sigs.ops[rep]))
+        # b.order, b.options, b.gm_nodes, b.memory_rows: read as ``intra_ilp.stage.solve_stage`` does
+        persistent, saved = b.memory_rows
+        work = instance
+        if not self.sharding:
+            work = _with_replicated_state(work, b, self.graph)
+        if variant != "fast":
+            work = _with_scaled_memory(work, saved, scale)
+            if variant == "min":
+                cap = min_peak_memory(work, time_limit_s=self.ilp_time_limit_s)[0] * LEAN_SLACK + 1.0
+        sol = self._solve_capped(work, cap)
+        choice = sol.strategy_index
+        ops = set(self.sigs.ops[rep])
+        # the layer's operators, plus batch inputs it loads (priced by newer intra_ilp)
+        p = _phase_parts(instance, choice, self.graph, ops | set(getattr(b, "fed", ())))
+        mem = [float(instance.nodes[i].memory_bytes[choice[i]]) for i in range(len(instance.nodes))]
+        chosen = {name: b.options[name][k] for name, k in zip(b.order, choice)}
+        sharding = StageSharding(
+            mesh_shape=tuple(mesh.mesh_shape),
+            value_specs={n: st.outputs[0] for n, st in chosen.items() if st.outputs and st.outputs[0] is not None},
+            input_specs={n: st.inputs for n, st in chosen.items() if n in ops},
+            compute_s=p["compute_fb"] + p["compute_update"], comm_s=p["comm_fb"] + p["comm_update"],
+            reshard_s=p["reshard_fb"] + p["reshard_update"],
+            persistent_bytes=math.fsum(mem[i] for i in persistent),
+            activation_bytes=math.fsum(mem[i] for i in saved),
+            solver_status=sol.status, gap=sol.gap, build_s=sol.build_s, solve_s=sol.solve_s,
+            num_vars=sol.num_vars, num_constraints=sol.num_constraints)
+        self.num_ilps += 1
+        self.ilp_s += time.perf_counter() - t0
+        return LayerCost(compute_fb_s=p["compute_fb"], comm_fb_s=p["comm_fb"] + p["reshard_fb"],
+                         compute_update_s=p["compute_update"],
+                         comm_update_s=p["comm_update"] + p["reshard_update"],
+                         persistent_bytes=sharding.persistent_bytes,
+                         activation_bytes=sharding.activation_bytes, sharding=sharding)
+
+    def _solve_capped(self, instance, cap: float | None):
+        """``solve_instance`` within ``cap`` bytes, raised to LEAN_SLACK × the least
+        achievable peak when no strategy choice meets it."""
+        limits = dict(time_limit_s=self.ilp_time_limit_s, mip_gap=self.mip_gap)
+        if cap is None:
+            return solve_instance(instance, **limits)
+        try:
+            return solve_instance(dataclasses.replace(instance, memory_budget_bytes=cap), **limits)
+        except InfeasibleMemoryError as exc:
+            cap = exc.required_bytes * LEAN_SLACK + 1.0
+            return solve_instance(dataclasses.replace(instance, memory_budget_bytes=cap), **limits)
+
+    # ------------------------------------------------------------ stitching
+    def _cross_edges(self) -> list[tuple]:
+        """(src, src layer, dst, dst layer, input index or -1, shape, itemsize, phase) of
+        every edge between two layers; -1: an updated state back to its stored input."""
+        layer_of, out = self.layers.layer_of, []
+        for v in self.graph.nodes:
+            node = self.fx_nodes[v]
+            if node.target is operator.getitem:
+                continue
+            ins = [a for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor)]
+            for j, a in enumerate(ins):
+                la = layer_of.get(a.name)
+                if la is not None and la != layer_of[v]:
+                    val = _val(a)
+                    out.append((a.name, la, v, layer_of[v], j, tuple(val.shape), val.element_size(),
+                                self.graph.nodes[v].phase))
+        stored = {(s.kind, s.name): s.node for s in self.graph.inputs}
+        for s in self.graph.outputs:
+            dst = stored.get((s.kind, s.name))
+            if dst and s.node in layer_of and layer_of[s.node] != layer_of[dst]:
+                val = _val(self.fx_nodes[dst])
+                out.append((s.node, layer_of[s.node], dst, layer_of[dst], -1, tuple(val.shape),
+                            val.element_size(), "update"))
+        return out
+
+    def _spec(self, layer_costs, layer, name, j):
+        sharding = layer_costs[layer].sharding
+        rep_name = self.sigs.to_rep[layer].get(name)
+        if j < 0:
+            return sharding.value_specs.get(rep_name)
+        ins = sharding.input_specs.get(rep_name)
+        return ins[j] if ins is not None and j < len(ins) else None
+
+    def _stitch(self, cfg, layer_costs) -> tuple[np.ndarray, np.ndarray]:
+        """x_ab (module docstring), split into (fb, update); float64 [L, L], upper triangle."""
+        num_layers = self.layers.num_layers
+        x_fb, x_up = np.zeros((num_layers, num_layers)), np.zeros((num_layers, num_layers))
+        mesh = self.mesh_cost(cfg)
+        for src, la, dst, lb, j, shape, itemsize, phase in self.cross_edges:
+            spec_src = self._spec(layer_costs, la, src, -1)
+            spec_dst = self._spec(layer_costs, lb, dst, j)
+            if spec_src is None or spec_dst is None:
+                continue
+            cost = cm.reshard_s(mesh, spec_src, spec_dst, shape, itemsize)
+            (x_up if phase == "update" else x_fb)[min(la, lb), max(la, lb)] += cost
+        return x_fb, x_up
+
+    def range_costs(self, cfg: MeshConfig, activation_scale: float = 1.0) -> RangeCosts:
+        """Every layer range i..j on ``cfg`` (module docstring), at the captured batch."""
+        key = (cfg, activation_scale if cfg.variant != "fast" else None)
+        if key not in self._ranges:
+            num_layers = self.layers.num_layers
+            lc = [self.layer_cost(l, cfg, activation_scale) for l in range(num_layers)]
+            x_fb, x_up = self._stitch(cfg, lc)
+            per_layer = {p: np.array([getattr(c, p) for c in lc]) for p in _PARTS}
+            arrays = {p: _range_sums(v) for p, v in per_layer.items()}
+            arrays["comm_fb_s"] = arrays["comm_fb_s"] + _pair_sums(x_fb)
+            arrays["comm_update_s"] = arrays["comm_update_s"] + _pair_sums(x_up)
+            self._ranges[key] = RangeCosts(**arrays)
+        return self._ranges[key]
+
+    def stage_sharding(self, start: int, end: int, cfg: MeshConfig,
+                       activation_scale: float = 1.0) -> StageSharding:
+        """The per-layer specs of layers start..end under the stage's node names; costs
+        at the captured batch, ``reshard_s`` including the stitching between layers."""
+        lc = {l: self.layer_cost(l, cfg, activation_scale) for l in range(start, end + 1)}
+        value_specs, input_specs, owned = {}, {}, {}
+        for l in range(start, end + 1):
+            for name, rep_name in self.sigs.to_rep[l].items():
+                sh = lc[l].sharding
+                if rep_name in sh.input_specs and name in self.graph.nodes:
+                    input_specs[name] = sh.input_specs[rep_name]
+                if rep_name in sh.value_specs:
+                    mine = self.layers.layer_of.get(name) == l
+                    if mine or name not in owned:
+                        value_specs[name], owned[name] = sh.value_specs[rep_name], mine
+        rc = self.range_costs(cfg, activation_scale)
+        parts = [lc[l].sharding for l in lc]
+        stitch = sum(float(getattr(rc, p)[start, end]) for p in ("comm_fb_s", "comm_update_s")) \
+            - sum(lc[l].comm_fb_s + lc[l].comm_update_s for l in lc)
+        return StageSharding(
+            mesh_shape=tuple(cfg.logical_shape), value_specs=value_specs, input_specs=input_specs,
+            compute_s=math.fsum(p.compute_s for p in parts), comm_s=math.fsum(p.comm_s for p in parts),
+            reshard_s=math.fsum(p.reshard_s for p in parts) + max(stitch, 0.0),
+            persistent_bytes=float(rc.persistent_bytes[start, end]),
+            activation_bytes=float(rc.activation_bytes[start, end]),
+            solver_status=_worst(p.solver_status for p in parts), gap=max(p.gap for p in parts),
+            build_s=math.fsum(p.build_s for p in parts), solve_s=math.fsum(p.solve_s for p in parts),
+            num_vars=sum(p.num_vars for p in parts), num_constraints=sum(p.num_constraints for p in parts))
+
+
+def _worst(statuses) -> str:
+    statuses = list(statuses)
+    return next((s for s in statuses if s != "optimal"), "optimal")
+
+
+def _range_sums(per_layer: np.ndarray) -> np.ndarray:
+    """[i, j] = sum of per_layer[i..j] (j >= i), 0 below the diagonal."""
+    prefix = np.concatenate(([0.0], np.cumsum(per_layer)))
+    out = prefix[None, 1:] - prefix[:-1, None]
+    return np.triu(out)
+
+
+def _pair_sums(x: np.ndarray) -> np.ndarray:
+    """[i, j] = sum of x[a, b] over i <= a < b <= j."""
+    num_layers = x.shape[0]
+    out = np.zeros_like(x)
+    for j in range(1, num_layers):
+        col = np.cumsum(x[:j, j][::-1])[::-1]  # col[i] = sum_{a=i}^{j-1} x[a, j]
+        out[:j, j] = out[:j, j - 1] + col
+    return out
+
+
+def _phase_parts(instance, choice, graph, ops: set[str]) -> dict[str, float]:
+    """ILP cost of the chosen strategies split by phase and kind. Nodes count by their
+    own phase, and only those in ``ops``: a source produced by an operator of another
+    layer is that layer's cost (older ``build_stage_instance`` priced it in both).
+    Edges count in the consumer's phase (an edge into a stored input, i.e. an updated
+    state written back, is update)."""
+    acc: dict[tuple[str, str], list[float]] = {(ph, kind): [] for ph in ("fb", "update")
+                                                for kind in ("compute", "comm", "reshard")}
+
+    def phase(name, placeholder):
+        node = graph.nodes.get(name)
+        return placeholder if node is None else "update" if node.phase == "update" else "fb"
+
+    for i, node in enumerate(instance.nodes):
+        if node.name in ops:  # a placeholder here is a batch input, loaded per microbatch
+            acc[phase(node.name, "fb"), "compute"].append(float(node.compute_s[choice[i]]))
+            acc[phase(node.name, "fb"), "comm"].append(float(node.comm_s[choice[i]]))
+    for e in instance.edges:
+        acc[phase(instance.nodes[e.dst].name, "update"), "reshard"].append(
+            float(e.reshard_s[choice[e.src], choice[e.dst]]))
+    return {f"{kind}_{ph}": math.fsum(v) for (ph, kind), v in acc.items()}
+
+
+def _with_replicated_state(instance, builder, graph):
+    """A copy of ``instance`` where parameters, optimizer state and buffers pay
+    ``REPLICATE_PENALTY_S`` for any spec but Replicate (``sharding=False``)."""
+    state = {s.node for s in graph.inputs if s.kind in ("param", "opt_state", "buffer")}
+    nodes = []
+    for node in instance.nodes:
+        if node.name in state:
+            specs = [st.outputs[0] if st.outputs else None for st in builder.options[node.name]]
+            penalty = [0.0 if spec is None or spec.is_replicated else REPLICATE_PENALTY_S for spec in specs]
+            node = dataclasses.replace(node, compute_s=node.compute_s + np.array(penalty))
+        nodes.append(node)
+    return dataclasses.replace(instance, nodes=tuple(nodes))
+
+
+def _with_scaled_memory(instance, saved: list[int], scale: float):
+    """A copy of ``instance`` whose activation nodes weigh ``scale`` of their bytes."""
+    saved = set(saved)
+    nodes = tuple(dataclasses.replace(n, memory_bytes=n.memory_bytes * scale) if i in saved else n
+                  for i, n in enumerate(instance.nodes))
+    return dataclasses.replace(instance, nodes=nodes)

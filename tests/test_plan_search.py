@@ -1,0 +1,207 @@
+"""Layer assignment and the inter-op search: invariants of emitted plans.
+
+One small zoo GPT (4 blocks, no biases, plain SGD: the fewest operators per
+block) is captured once; each cluster's ``StageCostModel`` shares one ILP
+solution cache, so the local 1x4 and 2x2 clusters (same links) solve each
+layer once. Plans are checked against the rules every plan must follow
+(contiguous stages covering all layers once, submeshes tiling the cluster,
+memory within the budget, Alpa eq. 2), not against hand-picked answers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from alpa_torch.capture import capture
+from alpa_torch.cluster import Cluster
+from alpa_torch.errors import BatchSplitError, InfeasibleMemoryError, PlanError
+from alpa_torch.plan import ParallelPlan, tile_submeshes
+from stage_dp import assign_layers
+from stage_dp.search import plan
+from stage_dp.stage_costs import StageCostModel
+from tests.zoo import GPT, GPTConfig, _lm_batch, train_step
+
+CLUSTERS = {
+    "local1x4": lambda: Cluster.local(1, 4),
+    "local2x2": lambda: Cluster.local(2, 2),
+    "v100_2x8": lambda: Cluster.simulated(2, 8, device="v100-16gb", intra="nvlink2", inter="eth-25g"),
+}
+
+
+def _capture(cfg: GPTConfig, step=train_step):
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return capture(step, model, opt, _lm_batch(cfg.vocab_size, 8, torch.Generator().manual_seed(0)))
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return _capture(GPTConfig.small(bias=False))
+
+
+@pytest.fixture(scope="module")
+def layers(graph):
+    return assign_layers(graph, 4)
+
+
+@pytest.fixture(scope="module")
+def models(graph, layers):
+    cache: dict = {}
+    return {name: StageCostModel(graph, make(), layers, solution_cache=cache) for name, make in CLUSTERS.items()}
+
+
+# ------------------------------------------------------------------ layering
+def test_every_node_gets_a_layer_forward_contiguous_backward_monotone(graph, layers):
+    names = [n.name for n in graph.gm.graph.nodes if n.op in ("placeholder", "call_function")]
+    assert set(layers.layer_of) == set(names)
+    fwd = [layers.layer_of[n] for n, v in graph.nodes.items() if v.phase == "forward"]
+    assert fwd == sorted(fwd) and set(fwd) == set(range(4))
+    for name, node in graph.nodes.items():
+        if node.phase == "backward":
+            for u in node.inputs:
+                if u in graph.nodes and graph.nodes[u].phase == "backward":
+                    assert layers.layer_of[u] >= layers.layer_of[name], (u, name)
+    assert not layers.update_crosses_layers
+    assert layers.boundary_bytes[0] == 0 and min(layers.boundary_bytes[1:]) > 0
+
+
+def test_gpt_blocks_land_one_per_layer(graph, layers):
+    for s in graph.inputs:
+        if s.kind == "param" and s.name.startswith("blocks."):
+            assert layers.layer_of[s.node] == int(s.name.split(".")[1]), s.name
+    by_module = assign_layers(graph, boundaries_by_module="blocks")
+    assert by_module.num_layers == 4 and by_module.method == "modules"
+    assert assign_layers(graph).num_layers == 4  # default: one layer per 6 matmuls
+
+
+def test_global_norm_clip_crosses_layers():
+    def clipped_step(model, optimizer, batch):
+        optimizer.zero_grad()
+        loss = model.loss(batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        return loss
+
+    g = _capture(GPTConfig.tiny(bias=False), clipped_step)
+    a = assign_layers(g, 2)
+    assert a.update_crosses_layers
+    assert all(a.layer_of[s.node] in (0, 1) for s in g.outputs if s.kind == "param")
+
+
+# ------------------------------------------------------------------ plans
+def _check_invariants(p: ParallelPlan, graph, cluster):
+    p.validate(graph, cluster)
+    assert [s.layer_start for s in p.stages] == [0] + [s.layer_end + 1 for s in p.stages[:-1]]
+    assert p.stages[-1].layer_end == p.num_layers - 1
+    ids = sorted(d for s in p.stages for d in s.device_ids)
+    assert ids == list(range(cluster.num_devices))
+    assert p.peak_memory_bytes <= p.memory_budget_bytes
+    assert all(s.memory_bytes <= p.memory_budget_bytes for s in p.stages)
+    times = [s.time_s for s in p.stages]
+    assert p.predicted_step_s == pytest.approx(sum(times) + (p.num_microbatches - 1) * max(times))
+    assert p.predicted_step_s == pytest.approx(p.compute_s + p.communication_s + p.bubble_s)
+    assert set(p.stage_nodes(0)) | set().union(*(p.stage_nodes(k) for k in range(len(p.stages)))) \
+        == set(p.layer_of)
+
+
+@pytest.mark.parametrize("name", list(CLUSTERS))
+def test_plan_invariants(graph, models, name):
+    model = models[name]
+    p = plan(graph, model.cluster, cost_model=model)
+    _check_invariants(p, graph, model.cluster)
+    assert p.options["distinct_layers"] == 3  # first block+embeddings, middle blocks, last block+head
+    text = p.table()
+    assert "stage" in text and f"{p.stages[0].layer_start}-{p.stages[0].layer_end}" in text
+
+
+def test_forced_options(graph, models):
+    model = models["local1x4"]
+    cl = model.cluster
+    two = plan(graph, cl, cost_model=model, num_stages=2)
+    assert len(two.stages) == 2
+    one = plan(graph, cl, cost_model=model, pipeline=False)
+    assert len(one.stages) == 1 and one.stages[0].submesh == (1, 4)
+    four = plan(graph, cl, cost_model=model, num_microbatches=4)
+    assert four.num_microbatches == 4
+    halves = plan(graph, cl, cost_model=model, submesh=(1, 2))
+    assert [s.submesh for s in halves.stages] == [(1, 2), (1, 2)]
+    gpipe = plan(graph, cl, cost_model=model, schedule="gpipe", num_microbatches=8)
+    assert all(s.in_flight == 8 for s in gpipe.stages)
+    for p in (two, one, four, halves, gpipe):
+        _check_invariants(p, graph, cl)
+    with pytest.raises(BatchSplitError, match="does not divide"):
+        plan(graph, cl, cost_model=model, num_microbatches=3)
+    with pytest.raises(PlanError, match="one stage"):
+        plan(graph, cl, cost_model=model, pipeline=False, num_stages=2)
+
+
+def _without_timings(p: ParallelPlan) -> dict:
+    d = p.to_dict()
+    for key in ("plan_s", "ilp_s"):
+        d["options"].pop(key)
+    for s in d["stages"]:
+        s["sharding"].pop("build_s"), s["sharding"].pop("solve_s")
+    return d
+
+
+def test_same_inputs_same_plan_and_data_parallel_only(graph, layers):
+    cl = Cluster.local(1, 2)
+    first = plan(graph, cl, layers=layers)
+    again = plan(graph, cl, layers=layers)
+    assert _without_timings(first) == _without_timings(again)
+    dp_only = plan(graph, cl, layers=layers, sharding=False)
+    _check_invariants(dp_only, graph, cl)
+    assert all(s.logical_mesh[1] == 1 for s in dp_only.stages)
+
+
+def test_json_round_trip_is_exact(graph, models, tmp_path):
+    model = models["v100_2x8"]
+    p = plan(graph, model.cluster, cost_model=model)
+    p.to_json(tmp_path / "plan.json")
+    back = ParallelPlan.from_json(tmp_path / "plan.json")
+    assert back == p
+    back.validate(graph, model.cluster)
+
+
+def test_validate_rejects_broken_plans(graph, models):
+    model = models["local1x4"]
+    p = plan(graph, model.cluster, cost_model=model, num_stages=2)
+    a, b = p.stages
+    with pytest.raises(PlanError, match="contiguously"):
+        dataclasses.replace(p, stages=(a, dataclasses.replace(b, layer_start=b.layer_start + 1))) \
+            .validate(graph, model.cluster)
+    with pytest.raises(PlanError, match="tile|reuses|not the|submesh"):
+        dataclasses.replace(p, stages=(a, dataclasses.replace(b, device_ids=a.device_ids))) \
+            .validate(graph, model.cluster)
+    with pytest.raises(PlanError, match="another graph"):
+        dataclasses.replace(p, graph_fingerprint="0" * 16).validate(graph, model.cluster)
+    with pytest.raises(PlanError, match="cluster"):
+        p.validate(graph, Cluster.local(1, 2))
+
+
+def test_too_big_for_the_cluster_says_how_much_memory(graph, layers):
+    budget = 200_000.0  # bytes per device; the model needs ~1-2 MB
+    cl = Cluster.local(1, 2, memory_bytes=budget)
+    with pytest.raises(InfeasibleMemoryError) as info:
+        plan(graph, cl, layers=layers)
+    need = info.value.required_bytes
+    assert need > budget and math.isfinite(need)
+    assert f"{need / 2**30:.3f} GiB" in str(info.value) and "Remedies" in str(info.value)
+    fits = plan(graph, cl, layers=layers, memory_budget_bytes=need * 1.01)
+    assert fits.peak_memory_bytes <= need * 1.01
+
+
+def test_tile_submeshes_packs_largest_first():
+    cl = Cluster.simulated(4, 8)
+    shapes = [(1, 2), (2, 8), (1, 4), (1, 2), (1, 8)]
+    ids = tile_submeshes(cl, shapes)
+    assert sorted(d for t in ids for d in t) == list(range(32))
+    assert ids[1] == tuple(range(16)) and ids[4] == tuple(range(16, 24))
+    with pytest.raises(PlanError, match="do not tile"):
+        tile_submeshes(cl, [(2, 8), (2, 8), (1, 2)])
