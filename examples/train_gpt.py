@@ -61,9 +61,7 @@ def main(argv=None) -> int:
             print(f"step {i} loss {loss:.6f}", flush=True)
         log.info("%d steps in %.1f s (first step includes capture, planning and start-up)",
                  args.steps, time.perf_counter() - t0)
-        s = step.sharding
-        log.info("plan: logical mesh %s, predicted %.3f ms/step, %.1f MiB per device",
-                 s.mesh_shape, s.total_s * 1e3, s.memory_bytes() / 2**20)
+        print(step.plan.table(), flush=True)
         if reference is not None:
             ref_opt = make_optimizer("adamw", reference)
             worst = max(abs(float(train_step(reference, ref_opt, make_batch("gpt", args.batch, seed=i))) - l)

@@ -45,7 +45,7 @@ def _state(model, functional):
     return {k: v.detach().numpy() for k, v in values.items()}
 
 
-def run_case(name, cluster, mesh, opt="adamw", steps=3):
+def run_case(name, cluster, mesh, opt="adamw", steps=3, force=None):
     from runtime.engine import Engine
     from runtime.group import WorkerGroup
 
@@ -53,7 +53,7 @@ def run_case(name, cluster, mesh, opt="adamw", steps=3):
     model = copy.deepcopy(eager)
     eager_opt, opt2 = make_optimizer(opt, eager), make_optimizer(opt, model)
     graph = capture(train_step, model, opt2, make_batch(name, 8, seed=0))
-    sharding = solve_stage(graph, mesh)
+    sharding = solve_stage(graph, mesh, force=force)
     functional = FunctionalOptimizer(opt2, {id(p): n for n, p in model.named_parameters()})
     with WorkerGroup.start(cluster) as group:
         engine = Engine(group, graph, sharding)
@@ -95,6 +95,29 @@ def test_cnn_batchnorm_sgd_matches_eager():
     run_case("cnn", Cluster.local(1, 2), cheap_comm((1, 2)), opt="sgd")
 
 
+@pytest.mark.parametrize("name,opt", [("gpt", "adamw"), ("cnn", "sgd"), ("hf_gpt2", "adam")])
+def test_automatic_plan_matches_eager(name, opt):
+    """Whatever plan the planner picks on 2x2 devices trains exactly like eager."""
+    from alpa_torch.api import parallelize
+
+    eager, _ = ZOO[name]()
+    model = copy.deepcopy(eager)
+    eager_opt, optimizer = make_optimizer(opt, eager), make_optimizer(opt, model)
+    step = parallelize(train_step, cluster=Cluster.local(2, 2))
+    try:
+        for i in range(3):
+            batch = make_batch(name, 8, seed=i)
+            expected = float(train_step(eager, eager_opt, batch).detach())
+            assert float(step(model, optimizer, batch)) == pytest.approx(expected, abs=ATOL), f"step {i}"
+        state = step.state_dict()
+        plan = step.plan
+    finally:
+        step.shutdown()
+    assert plan.stages and sum(s.num_devices for s in plan.stages) == 4
+    for pname, p in eager.named_parameters():
+        torch.testing.assert_close(state["model"][pname], p.detach(), atol=ATOL, rtol=0, msg=pname)
+
+
 def test_parallelize_end_to_end_and_sync():
     from alpa_torch.api import parallelize
 
@@ -119,3 +142,18 @@ def test_parallelize_end_to_end_and_sync():
     # The optimizer now holds the trained state, as eager training leaves it.
     first = next(iter(model.parameters()))
     assert int(opt.state[first]["step"]) == 3
+
+
+def test_forced_pure_data_parallel_matches_eager():
+    """force= pins the batch to S(0) and weights / optimizer state to R: DDP's plan."""
+    cluster = Cluster.local(1, 2)
+    model, _ = ZOO["gpt"]()
+    graph = capture(train_step, model, make_optimizer("adamw", model), make_batch("gpt", 8, seed=0))
+    force = {s.name: ("RS(0)" if s.kind == "batch" else "RR")
+             for s in graph.inputs if s.kind in ("batch", "param", "opt_state")}
+    sharding = solve_stage(graph, realistic(cluster, (1, 2)), force=force)
+    specs = {s.name: str(sharding.value_specs[s.node]) for s in graph.inputs if s.node in sharding.value_specs}
+    assert specs["batch.0"] == "RS(0)" and specs["wte.weight"] == "RR"
+    grads = [str(sharding.value_specs[m]) for m in graph.grad_of.values()]
+    assert all(g in ("RP", "RR") for g in grads), grads
+    run_case("gpt", cluster, realistic(cluster, (1, 2)), force=force)
