@@ -33,7 +33,7 @@ def cheap_comm(shape):
                     peak_flops_per_s=1e6, memory_bandwidth_bytes_per_s=1e12)
 
 
-def _plan(name, stages, microbatches, cheap, opt="adamw"):
+def _plan(name, stages, microbatches, cheap, opt="adamw", force_dp=False):
     model, _ = ZOO[name]()
     optimizer = make_optimizer(opt, model)
     microbatch = make_batch(name, BATCH // microbatches, seed=0)
@@ -48,18 +48,24 @@ def _plan(name, stages, microbatches, cheap, opt="adamw"):
         names = {n for n, s in stage_of.items() if s == k and n in graph.nodes}
         submesh = (1, len(ranks)) if len(ranks) <= 2 else (2, 2)
         mesh = cheap_comm(shape) if cheap else MeshCost.from_cluster(cluster, submesh, tuple(shape))
-        deployments.append(StageDeployment(tuple(ranks), tuple(shape), solve_stage(graph, mesh, names=names)))
+        force = None
+        if force_dp:  # the batch split along the stage's devices, state replicated
+            force = {s.name: ("RS(0)" if s.kind == "batch" else "RR")
+                     for s in graph.inputs if s.kind in ("batch", "param", "opt_state")}
+        deployments.append(StageDeployment(tuple(ranks), tuple(shape), solve_stage(graph, mesh, names=names,
+                                                                                    force=force)))
     return model, optimizer, graph, stage_of, deployments
 
 
-def run_pipeline(name, hosts, devices, stages, microbatches, schedule, cheap=False, opt="adamw", dst_gather=None):
+def run_pipeline(name, hosts, devices, stages, microbatches, schedule, cheap=False, opt="adamw", dst_gather=None,
+                 force_dp=False):
     from runtime.engine import to_numpy_dict
     from runtime.group import WorkerGroup
     from runtime.pipeline_engine import PipelineEngine
 
     eager, _ = ZOO[name]()
     eager_opt = make_optimizer(opt, eager)
-    model, optimizer, graph, stage_of, deployments = _plan(name, stages, microbatches, cheap, opt)
+    model, optimizer, graph, stage_of, deployments = _plan(name, stages, microbatches, cheap, opt, force_dp)
     functional = FunctionalOptimizer(optimizer, {id(p): n for n, p in model.named_parameters()})
     values = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     for n in functional.names:
@@ -100,6 +106,13 @@ UNEVEN = [[0, 0, [0], [1, 1]], [1, 1, [1], [1, 1]], [2, 2, [2, 3], [1, 2]]]
 )
 def test_pipeline_matches_eager(name, hosts, devices, stages, microbatches, schedule, cheap):
     run_pipeline(name, hosts, devices, stages, microbatches, schedule, cheap)
+
+
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.parametrize("name", ["gpt", "mlp"])
+def test_two_stages_of_pure_data_parallel(name):
+    """2 stages x data parallel 2: each stage splits its microbatch over its 2 devices."""
+    run_pipeline(name, 2, 2, TWO_BY_DP2, 2, "1f1b", force_dp=True)
 
 
 @pytest.mark.usefixtures("ray_session")

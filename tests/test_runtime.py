@@ -157,3 +157,42 @@ def test_forced_pure_data_parallel_matches_eager():
     grads = [str(sharding.value_specs[m]) for m in graph.grad_of.values()]
     assert all(g in ("RP", "RR") for g in grads), grads
     run_case("gpt", cluster, realistic(cluster, (1, 2)), force=force)
+
+
+def _force(graph, batch_spec, state_spec="RR"):
+    return {s.name: (batch_spec if s.kind == "batch" else state_spec)
+            for s in graph.inputs if s.kind in ("batch", "param", "opt_state")}
+
+
+def _graph(name, opt="adamw"):
+    model, _ = ZOO[name]()
+    return capture(train_step, model, make_optimizer(opt, model), make_batch(name, 8, seed=0))
+
+
+@pytest.mark.parametrize("name", ["gpt", "mlp"])
+def test_pure_data_parallel_on_2x2(name):
+    """Batch split 4 ways, weights and optimizer state replicated: gradients all-reduced."""
+    cluster = Cluster.local(2, 2)
+    mesh = MeshCost.from_cluster(cluster, (2, 2), (1, 4))
+    force = _force(_graph(name), "RS(0)")
+    sharding = run_case(name, cluster, mesh, force=force)
+    assert all(not str(v).count("S") for k, v in sharding.value_specs.items() if k.startswith("grad"))
+
+
+@pytest.mark.parametrize("name", ["gpt", "mlp"])
+def test_pure_tensor_parallel_on_2x2(name):
+    """Batch replicated; with cheap collectives the ILP shards the weights 4 ways."""
+    graph = _graph(name)
+    force = {s.name: "RR" for s in graph.inputs if s.kind == "batch"}
+    sharding = run_case(name, Cluster.local(2, 2), cheap_comm((1, 4)), force=force)
+    weights = [s.node for s in graph.inputs if s.kind == "param" and len(s.shape) == 2]
+    assert any("S" in str(sharding.value_specs[w]) for w in weights), "no weight was sharded"
+
+
+def test_2d_data_by_tensor_on_2x2():
+    """Data parallel on mesh axis 0 (batch S(0) there), tensor parallel on axis 1."""
+    graph = _graph("gpt")
+    force = {s.name: "S(0)R" for s in graph.inputs if s.kind == "batch"}
+    sharding = run_case("gpt", Cluster.local(2, 2), cheap_comm((2, 2)), force=force)
+    weights = [s.node for s in graph.inputs if s.kind == "param" and len(s.shape) == 2]
+    assert any(str(sharding.value_specs[w]).endswith(("S(0)", "S(1)")) for w in weights)
