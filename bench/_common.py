@@ -1,0 +1,291 @@
+"""Shared pieces of ``bench/runtime_vs_torch.py``: the model, the batches, the
+measurements, and the PyTorch baselines it is compared against.
+
+What it owns:
+
+- ``BenchConfig``: the GPT shape, global batch, steps and microbatches of a run;
+- ``global_batch(cfg, step)``: the deterministic batch of step ``step`` (the
+  same tokens for every runner: eager, alpa-torch and PyTorch);
+- ``max_rss_mb`` / ``current_rss_mb`` / ``median``: the measurements;
+- the PyTorch baselines, each run in fresh processes started by
+  ``torch.multiprocessing.spawn`` over gloo with one torch thread per rank:
+  ``run_torch_ddp`` (``DistributedDataParallel``) and ``run_torch_pipeline``
+  (``torch.distributed.pipelining`` ``Schedule1F1B`` over a GPT split by hand
+  at transformer-block boundaries, one ``PipelineStage`` per rank).
+
+What it does not own: alpa-torch (capture, planning, the Ray runtime): that is
+``runtime_vs_torch.py``. Nothing here imports Ray.
+
+Timing protocol (both sides): every step starts after a barrier (the
+alpa-torch driver's call is one too); a rank times its own step; a step's time
+is the slowest rank's; the reported number is the median over the timed
+steps after the warm-up ones.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import resource
+import socket
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from tests.zoo import GPT, GPTConfig, lm_loss, make_optimizer, train_step
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchConfig:
+    """One benchmark run: model shape, data and step counts (same for every runner)."""
+
+    vocab_size: int
+    block_size: int
+    """Sequence length T of every sample (the model's block size)."""
+    n_layer: int
+    n_head: int
+    n_embd: int
+    global_batch: int
+    """Sequences per optimizer step, split over data-parallel ranks or microbatches."""
+    warmup_steps: int = 2
+    timed_steps: int = 5
+    microbatches: int = 4
+    """Microbatches per step of the pipelined cases."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.timed_steps < 1 or self.warmup_steps < 0:
+            raise ValueError(f"need timed_steps >= 1 and warmup_steps >= 0, got {self.timed_steps}, "
+                             f"{self.warmup_steps}")
+
+    @property
+    def steps(self) -> int:
+        return self.warmup_steps + self.timed_steps
+
+    def gpt_config(self) -> GPTConfig:
+        return GPTConfig(vocab_size=self.vocab_size, block_size=self.block_size, n_layer=self.n_layer,
+                         n_head=self.n_head, n_embd=self.n_embd)
+
+    def describe(self) -> str:
+        return (f"GPT(vocab {self.vocab_size}, T {self.block_size}, {self.n_layer} layers, {self.n_head} heads, "
+                f"d {self.n_embd}), batch {self.global_batch}, AdamW")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def build_model(cfg: BenchConfig) -> GPT:
+    """The seeded GPT every runner starts from (identical weights everywhere)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        return GPT(cfg.gpt_config()).train()
+
+
+def global_batch(cfg: BenchConfig, step: int, batch_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(idx, targets), each [B, T] int64: the tokens of step ``step`` (0-based)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    b = cfg.global_batch if batch_size is None else batch_size
+    seq = torch.randint(0, cfg.vocab_size, (b, cfg.block_size + 1), generator=gen)  # [B, T+1]
+    return seq[:, :-1].clone(), seq[:, 1:].clone()
+
+
+# ---------------------------------------------------------------- measurements
+
+
+def max_rss_mb() -> float:
+    """Peak resident set of this process image, MB.
+
+    ``VmHWM`` of ``/proc/self/status`` where it exists, else ``ru_maxrss``.
+    Linux carries ``ru_maxrss`` across ``execve`` (``signal->maxrss`` keeps the
+    high-water mark of the pre-exec image), so a process spawned by a 400 MB
+    driver reports >= 400 MB even if it never held that much; ``VmHWM`` belongs
+    to the current address space and starts afresh at ``exec``.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+
+
+def current_rss_mb() -> float:
+    """Resident set of this process now, MB."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2.0**20
+
+
+def median(xs) -> float:
+    return float(statistics.median(xs))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def eager_reference(cfg: BenchConfig) -> dict:
+    """Single-process eager training with one thread: step-1 loss and median step time."""
+    torch.set_num_threads(1)
+    model = build_model(cfg)
+    opt = make_optimizer("adamw", model)
+    times, losses = [], []
+    for step in range(cfg.steps):
+        batch = global_batch(cfg, step)
+        t0 = time.perf_counter()
+        losses.append(float(train_step(model, opt, batch).detach()))
+        times.append(time.perf_counter() - t0)
+    return {"first_loss": losses[0], "losses": losses, "step_s": median(times[cfg.warmup_steps:])}
+
+
+# ---------------------------------------------------------------- torch workers
+
+
+def _init_rank(rank: int, world: int, port: int) -> None:
+    torch.set_num_threads(1)  # one thread per virtual device (FINDINGS.md)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                         world_size=world, timeout=datetime.timedelta(seconds=300))
+
+
+def _finish_rank(rank: int, world: int, times: list[float], first_loss: float | None, base_rss: float, queue) -> None:
+    """Gather every rank's step times and RSS on rank 0, which reports one dict."""
+    dist = torch.distributed
+    mine = {"times": times, "loss": first_loss, "max_rss_mb": max_rss_mb(), "base_rss_mb": base_rss}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        per_step = [max(r["times"][i] for r in everyone) for i in range(len(times))]
+        loss = next((r["loss"] for r in everyone if r["loss"] is not None), None)
+        queue.put({"per_step_s": per_step, "first_loss": loss,
+                   "peak_rss_mb": max(r["max_rss_mb"] for r in everyone),
+                   "base_rss_mb": max(r["base_rss_mb"] for r in everyone)})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _ddp_worker(rank: int, world: int, port: int, cfg: BenchConfig, queue) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    _init_rank(rank, world, port)
+    base = current_rss_mb()
+    model = DistributedDataParallel(build_model(cfg))
+    opt = make_optimizer("adamw", model)
+    per_rank = cfg.global_batch // world
+    times, first = [], None
+    for step in range(cfg.steps):
+        idx, tgt = global_batch(cfg, step)
+        mine = (idx[rank * per_rank:(rank + 1) * per_rank], tgt[rank * per_rank:(rank + 1) * per_rank])
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = lm_loss(model(mine[0]), mine[1])  # DDP hooks into forward; the module's own loss() would bypass it
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        if step == 0:  # mean of equal-size shards' means = the global mean loss
+            first = loss.detach().clone()
+            torch.distributed.all_reduce(first)
+            first = float(first) / world
+    _finish_rank(rank, world, times, first, base, queue)
+
+
+class _StageModule(nn.Module):
+    """Blocks [lo, hi) of a GPT; the first stage adds the embeddings, the last the head."""
+
+    def __init__(self, gpt: GPT, lo: int, hi: int):
+        super().__init__()
+        self.first, self.last = lo == 0, hi == len(gpt.blocks)
+        if self.first:
+            self.wte, self.wpe = gpt.wte, gpt.wpe
+        self.blocks = nn.ModuleList(gpt.blocks[lo:hi])
+        if self.last:
+            self.ln_f, self.lm_head = gpt.ln_f, gpt.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:  # x: idx [b, T] -> [b, T, C]
+            x = self.wte(x) + self.wpe(torch.arange(x.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x)) if self.last else x  # [b, T, V] or [b, T, C]
+
+
+def block_ranges(n_layer: int, num_stages: int) -> list[tuple[int, int]]:
+    """Even split of ``n_layer`` blocks into ``num_stages`` ranges [lo, hi)."""
+    if n_layer % num_stages:
+        raise ValueError(f"{n_layer} blocks do not split evenly into {num_stages} stages")
+    k = n_layer // num_stages
+    return [(s * k, (s + 1) * k) for s in range(num_stages)]
+
+
+def _pipeline_worker(rank: int, world: int, port: int, cfg: BenchConfig, queue) -> None:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    _init_rank(rank, world, port)
+    base = current_rss_mb()
+    lo, hi = block_ranges(cfg.n_layer, world)[rank]
+    module = _StageModule(build_model(cfg), lo, hi)
+    opt = make_optimizer("adamw", module)
+    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    # scale_grads=True (default): gradients are divided by the microbatch count,
+    # so with a mean loss per microbatch they equal the full-batch gradient.
+    schedule = Schedule1F1B(stage, cfg.microbatches, loss_fn=lm_loss)
+    times, first = [], None
+    for step in range(cfg.steps):
+        idx, tgt = global_batch(cfg, step)
+        losses: list[torch.Tensor] = []
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        if rank == 0:
+            schedule.step(idx)
+        elif rank == world - 1:
+            schedule.step(target=tgt, losses=losses)
+        else:
+            schedule.step()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        if step == 0 and losses:
+            first = float(torch.stack(losses).detach().mean())
+    _finish_rank(rank, world, times, first, base, queue)
+
+
+def _spawn(worker, world: int, cfg: BenchConfig) -> dict:
+    """Run ``worker`` on ``world`` fresh gloo ranks; rank 0's summary dict."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # size the pools before torch loads in the children
+    try:
+        mp.spawn(worker, args=(world, free_port(), cfg, queue), nprocs=world, join=True)
+    finally:
+        if old is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
+    out = queue.get()
+    out["step_s"] = median(out["per_step_s"][cfg.warmup_steps:])
+    return out
+
+
+def run_torch_ddp(cfg: BenchConfig, world: int) -> dict:
+    """DistributedDataParallel over ``world`` gloo ranks, batch split evenly."""
+    if cfg.global_batch % world:
+        raise ValueError(f"global batch {cfg.global_batch} does not split over {world} ranks")
+    return _spawn(_ddp_worker, world, cfg)
+
+
+def run_torch_pipeline(cfg: BenchConfig, num_stages: int) -> dict:
+    """Schedule1F1B over ``num_stages`` ranks, one block range per rank."""
+    block_ranges(cfg.n_layer, num_stages)  # validates the split
+    if cfg.global_batch % cfg.microbatches:
+        raise ValueError(f"global batch {cfg.global_batch} does not split into {cfg.microbatches} microbatches")
+    return _spawn(_pipeline_worker, num_stages, cfg)
