@@ -11,13 +11,14 @@ graph), ``intra_ilp`` (sharding per operator), ``stage_dp`` (pipeline
 stages), ``runtime`` (Ray workers), ``api`` (``parallelize``).
 """
 
-from .api import ParallelStep, parallelize
+from .api import ParallelStep, load_checkpoint, load_into, parallelize
 from .capture import capture
 from .cluster import DEVICE_SPECS, LINK_SPECS, Cluster, DeviceSpec, LinkSpec
 from .errors import (
     AlpaTorchError,
     BatchSplitError,
     CaptureError,
+    CheckpointError,
     ClusterSpecError,
     DataDependentControlFlowError,
     InfeasibleMemoryError,
@@ -29,9 +30,9 @@ from .errors import (
 from .graph import OpGraph
 
 __all__ = [
-    "AlpaTorchError", "BatchSplitError", "CaptureError", "Cluster", "ClusterSpecError",
+    "AlpaTorchError", "BatchSplitError", "CaptureError", "CheckpointError", "Cluster", "ClusterSpecError",
     "DEVICE_SPECS", "DataDependentControlFlowError", "DeviceSpec", "InfeasibleMemoryError",
     "LINK_SPECS", "LinkSpec", "LossError", "OpGraph", "ParallelStep", "PlanError",
-    "UnsupportedOperatorError", "WorkerError", "capture", "parallelize",
+    "UnsupportedOperatorError", "WorkerError", "capture", "load_checkpoint", "load_into", "parallelize",
 ]
 __version__ = "0.1.0"

@@ -12,6 +12,24 @@ and optimizer's state onto them. Every call, the first included, runs one
 training step on the cluster and returns its loss. The model and optimizer
 objects are only read on the first call; the live state stays sharded on the
 workers until ``sync`` or ``state_dict``.
+
+Reliability (``runtime/checkpoint.py`` has the format)::
+
+    step.save("ckpt")                     # every worker writes its shards; atomic commit
+    step2 = parallelize(train_step, cluster=Cluster.local(1, 4))
+    step2.load("ckpt")                    # any plan or cluster size: resharded on load
+    model_sd, optim_sd = load_checkpoint("ckpt")   # or load_into(model, optimizer, "ckpt")
+
+With ``max_restarts=N, checkpoint_dir=d, checkpoint_every=k`` a step writes a
+checkpoint to ``d`` at start and after every k-th step; when a worker dies
+(``WorkerError``) it starts new workers, reloads the last checkpoint and
+retries the step that failed, at most N times in the step's life. The batches
+of steps run after that checkpoint are gone, so their updates are lost: the
+contract is "training continues from the checkpoint's state, and the failed
+step is retried on it". With k = 1 the losses are those of an uninterrupted run.
+
+Plans are cached on disk (``plan_cache.py``): the same graph, cluster and
+options give the same plan, so the second ``make_plan`` loads it.
 """
 
 from __future__ import annotations
@@ -27,8 +45,9 @@ import torch.utils._pytree as pytree
 
 from .capture import capture
 from .cluster import Cluster
-from .errors import BatchSplitError, PlanError
+from .errors import BatchSplitError, CheckpointError, PlanError, WorkerError
 from .optim import FunctionalOptimizer
+from .plan_cache import PlanCache, cached_plan
 
 log = logging.getLogger(__name__)
 
@@ -68,21 +87,32 @@ class ParallelStep:
     def __init__(self, train_step: Callable, cluster: Cluster | None = None, *, plan=None,
                  num_microbatches: int | None = None, num_stages: int | None = None, num_layers: int | None = None,
                  pipeline: bool = True, sharding: bool = True, memory_budget_bytes: float | None = None,
-                 schedule: str = "1f1b", progress: Callable[[str], None] | None = None):
+                 schedule: str = "1f1b", progress: Callable[[str], None] | None = None,
+                 plan_cache: bool | str | None = None, max_restarts: int = 0, checkpoint_dir: str | None = None,
+                 checkpoint_every: int = 1):
         """See ``parallelize``."""
+        _check_reliability_options(max_restarts, checkpoint_dir, checkpoint_every)
         self.train_step = train_step
         self.cluster = cluster or Cluster.local(1, 2)
         self.forced_plan = plan
         self.options = dict(num_microbatches=num_microbatches, num_stages=num_stages, num_layers=num_layers,
                             pipeline=pipeline, sharding=sharding, memory_budget_bytes=memory_budget_bytes,
                             schedule=schedule, progress=progress)
+        self.plan_cache = PlanCache.from_option(plan_cache)
+        self.max_restarts, self.checkpoint_every = max_restarts, checkpoint_every
+        self.checkpoint_dir = checkpoint_dir
+        self.restarts = 0
+        """Worker restarts so far (at most ``max_restarts``)."""
         self.graph = None
         self.run_graph = None
         self.plan = None
+        self.plan_source: str | None = None
+        """'search', 'cache' or 'forced': where ``self.plan`` came from."""
         self.group = None
         self.engine = None
         self._functional: FunctionalOptimizer | None = None
         self._step = 0
+        self._pending: tuple | None = None  # (path, manifest) of a load() before the first call
 
     # ------------------------------------------------------------------ call
     def __call__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
@@ -90,8 +120,7 @@ class ParallelStep:
             self._start(model, optimizer, batch)
         self._functional.check_unchanged()
         leaves = self._batch_leaves(batch)
-        self._step += 1
-        loss = self.engine.step(leaves, self._functional.host_scalars(self._step))
+        loss = self._run_step(leaves)
         if not math.isfinite(loss):
             warnings.warn(
                 f"step {self._step}: the loss is {loss}; check the learning rate and the data of this step "
@@ -112,10 +141,10 @@ class ParallelStep:
                 )
             opts["num_microbatches"] = 1
         if self.forced_plan is not None:
-            self.plan = self._load_plan(self.forced_plan)
+            self.plan, self.plan_source = self._load_plan(self.forced_plan), "forced"
         else:
-            self.plan = search(self.graph, self.cluster, **opts)
-        log.info("plan:\n%s", self.plan.table())
+            self.plan, self.plan_source = cached_plan(self.plan_cache, self.graph, self.cluster, opts, search)
+        log.info("plan (%s):\n%s", self.plan_source, self.plan.table())
         return self.plan
 
     def _load_plan(self, forced):
@@ -126,23 +155,64 @@ class ParallelStep:
         return plan
 
     def _start(self, model, optimizer, batch) -> None:
-        from runtime.engine import to_numpy_dict
-        from runtime.group import WorkerGroup
-
         t0 = time.perf_counter()
         self.make_plan(model, optimizer, batch)
         self._functional = FunctionalOptimizer(optimizer, {id(p): n for n, p in model.named_parameters()})
         self._step = self._functional.step_count()
         self.run_graph = self._runtime_graph(model, optimizer, batch)
+        if self._pending is not None:
+            values = self._checkpoint_values(*self._pending)
+            self._step, self._pending = self._pending[1]["step"], None
+        else:
+            values = self._initial_state(model)
         t1 = time.perf_counter()
+        self._launch(values)
+        log.info("planned in %.2f s, deployed in %.2f s", t1 - t0, time.perf_counter() - t1)
+        if self.checkpoint_dir is not None:
+            self._warn_overwrite()
+            self.save(self.checkpoint_dir)  # the state a restart before the first periodic save returns to
+
+    def _launch(self, values: dict[str, torch.Tensor]) -> None:
+        """Start the workers, deploy the plan and load ``values`` (full tensors) onto them."""
+        from runtime.engine import to_numpy_dict
+        from runtime.group import WorkerGroup
+
         self.group = WorkerGroup.start(self.cluster)
         try:
             self.engine = self._deploy()
-            self.engine.load_state(to_numpy_dict(self._initial_state(model)))
+            self.engine.load_state(to_numpy_dict(values))
         except BaseException:
             self.shutdown()
             raise
-        log.info("planned in %.2f s, deployed in %.2f s", t1 - t0, time.perf_counter() - t1)
+
+    def _run_step(self, leaves: dict) -> float:
+        """One step on the workers; on a ``WorkerError`` restart from the last checkpoint and retry it."""
+        while True:
+            number = self._step + 1
+            try:
+                loss = self.engine.step(leaves, self._functional.host_scalars(number))
+                self._step = number
+                if self.checkpoint_dir is not None and number % self.checkpoint_every == 0:
+                    self.save(self.checkpoint_dir)
+                return loss
+            except WorkerError as exc:
+                if self.restarts >= self.max_restarts:
+                    fix = (f"gave up after {self.restarts} restart(s) (max_restarts={self.max_restarts})"
+                           if self.max_restarts else "to restart automatically from the last checkpoint, pass "
+                           "max_restarts=N and checkpoint_dir=... to parallelize")
+                    raise WorkerError(f"step {number}: {exc}\n{fix}.") from exc
+                self._restart(exc, number)
+
+    def _restart(self, exc: WorkerError, number: int) -> None:
+        self.restarts += 1
+        log.warning("step %d: %s; restart %d of %d from the checkpoint in %s", number,
+                    str(exc).splitlines()[0], self.restarts, self.max_restarts, self.checkpoint_dir)
+        self.shutdown()  # the group already shut itself down; this drops the references
+        from runtime import checkpoint
+
+        path, manifest = checkpoint.read_manifest(self.checkpoint_dir)
+        self._launch(self._checkpoint_values(path, manifest))
+        self._step = manifest["step"]
 
     def _runtime_graph(self, model, optimizer, batch):
         """The graph the workers run: the step on one microbatch."""
@@ -199,12 +269,85 @@ class ParallelStep:
             raise PlanError(f"the batch has {len(out)} tensors, the captured step had {len(expected)}")
         return out
 
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, directory: str) -> str:
+        """Write a checkpoint of the live state to ``directory`` (``runtime/checkpoint.py``):
+        each worker writes its own shards, the driver the manifest; the previous checkpoint
+        there is replaced atomically. Returns the directory's absolute path."""
+        from runtime import checkpoint
+
+        if self.engine is None:
+            raise CheckpointError("nothing to save: the step has not run yet (or was shut down); call it once "
+                                  "before save()")
+        meta = {"step": self._step, "graph_fingerprint": self.plan.graph_fingerprint, "plan": self.plan.to_dict(),
+                "tensors": self._tensor_table(),
+                "optimizer": checkpoint.describe_optimizer(self._functional.optimizer, self._functional.names)}
+        return str(checkpoint.save_checkpoint(directory, self.engine.save_shards, meta))
+
+    def load(self, directory: str) -> int:
+        """Restore a checkpoint written by ``save`` (by any plan or cluster size); returns its step.
+
+        Before the first call it is applied when the step starts (the model's and optimizer's
+        own values are then ignored); afterwards the running workers are reloaded. The
+        optimizer's step count comes from the checkpoint; ``lr`` still from the optimizer."""
+        from runtime import checkpoint
+
+        path, manifest = checkpoint.read_manifest(directory)
+        if self.engine is None:
+            self._pending = (path, manifest)
+        else:
+            from runtime.engine import to_numpy_dict
+
+            self.engine.load_state(to_numpy_dict(self._checkpoint_values(path, manifest)))
+            self._step = manifest["step"]
+        return manifest["step"]
+
+    def _tensor_table(self) -> dict[str, dict]:
+        """Manifest ``tensors``: kind, shape, dtype (and param, key of optimizer state)."""
+        owner = {f"{n}.{k}": (n, k) for n in self._functional.names for k in self._functional.state_names(n)}
+        table = {}
+        for s in self.graph.inputs:
+            if s.kind in ("param", "buffer", "opt_state"):
+                table[s.name] = {"kind": s.kind, "shape": list(s.shape), "dtype": s.dtype}
+                if s.kind == "opt_state":
+                    table[s.name]["param"], table[s.name]["key"] = owner[s.name]
+        return table
+
+    def _checkpoint_values(self, path, manifest) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors, after checking they are exactly this step's state."""
+        want = {s.name: (s.kind, list(s.shape), s.dtype) for s in self.graph.inputs
+                if s.kind in ("param", "buffer", "opt_state")}
+        have = {n: (e["kind"], e["shape"], e["dtype"]) for n, e in manifest["tensors"].items()}
+        missing, unexpected = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+        differ = sorted(n for n in set(want) & set(have) if want[n] != have[n])
+        if missing or unexpected or differ:
+            raise CheckpointError(
+                f"the checkpoint at {str(path)!r} does not hold this step's state: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}, other kind/shape/dtype {[(n, have[n], want[n]) for n in differ[:3]]}."
+                " Fix: load it with the model and optimizer type it was saved from.")
+        from runtime.checkpoint import assemble
+
+        return assemble(path, manifest)
+
+    def _warn_overwrite(self) -> None:
+        from runtime import checkpoint
+
+        try:
+            _, old = checkpoint.read_manifest(self.checkpoint_dir)
+        except CheckpointError:
+            return
+        if old["step"] != self._step:
+            log.warning("overwriting the checkpoint of step %d in %s with step %d; to resume from it, call "
+                        "step.load(%r) before the first step", old["step"], self.checkpoint_dir, self._step,
+                        self.checkpoint_dir)
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """Full model and optimizer state, gathered from the workers."""
         if self.engine is None:
             raise PlanError("the step has not run yet: call it once before asking for its state")
-        full = {k: torch.from_numpy(v) for k, v in self.engine.gather_state().items()}
+        # copy: arrays that came through Ray are read-only
+        full = {k: torch.from_numpy(v.copy()) for k, v in self.engine.gather_state().items()}
         model_keys = set(self.graph.input_names("param")) | set(self.graph.input_names("buffer"))
         return {
             "model": {k: v for k, v in full.items() if k in model_keys},
@@ -236,6 +379,31 @@ class ParallelStep:
             pass
 
 
+def load_checkpoint(directory: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """``(model_state_dict, optimizer_state_dict)`` of a checkpoint written by ``ParallelStep.save``,
+    whole tensors for a single-device model (``runtime.checkpoint.load_checkpoint``)."""
+    from runtime.checkpoint import load_checkpoint as load
+
+    return load(directory)
+
+
+def load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, directory: str) -> int:
+    """Copy a checkpoint into a plain ``model`` and ``optimizer``; returns its step count."""
+    from runtime.checkpoint import load_into as load
+
+    return load(model, optimizer, directory)
+
+
+def _check_reliability_options(max_restarts, checkpoint_dir, checkpoint_every) -> None:
+    if not isinstance(max_restarts, int) or max_restarts < 0:
+        raise CheckpointError(f"max_restarts={max_restarts!r} must be an int >= 0")
+    if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
+        raise CheckpointError(f"checkpoint_every={checkpoint_every!r} must be an int >= 1 (steps between checkpoints)")
+    if max_restarts and checkpoint_dir is None:
+        raise CheckpointError(f"max_restarts={max_restarts} needs checkpoint_dir=...: a restart reloads the last "
+                              "checkpoint written there. Fix: pass checkpoint_dir (shared storage on real hosts).")
+
+
 def parallelize(train_step: Callable | None = None, *, cluster: Cluster | None = None, **options):
     """Return ``train_step`` running on ``cluster`` with an automatically found plan.
 
@@ -245,7 +413,16 @@ def parallelize(train_step: Callable | None = None, *, cluster: Cluster | None =
     ``num_layers``, ``pipeline=False`` (one stage on all devices),
     ``sharding=False`` (data parallel and pipeline only), ``memory_budget_bytes``
     per device, ``schedule`` ('1f1b' or 'gpipe'), ``progress`` (a callable
-    receiving planner messages). The default cluster is ``Cluster.local(1, 2)``.
+    receiving planner messages), ``plan_cache`` (False, or a directory; default
+    ``$ALPA_TORCH_CACHE`` or ``~/.cache/alpa_torch/plans``). The default cluster is
+    ``Cluster.local(1, 2)``.
+
+    Reliability: ``checkpoint_dir`` (a checkpoint is written there at start and
+    every ``checkpoint_every`` steps, default 1) and ``max_restarts`` (on a worker
+    failure, restart the workers from the last checkpoint and retry the failed step,
+    at most this many times; needs ``checkpoint_dir``). Steps between the checkpoint
+    and the failure are not replayed (their batches are gone): with
+    ``checkpoint_every=k`` up to k - 1 steps of progress are lost.
     """
     if train_step is None:
         return lambda fn: ParallelStep(fn, cluster, **options)

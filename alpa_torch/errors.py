@@ -49,3 +49,7 @@ class BatchSplitError(AlpaTorchError, ValueError):
 
 class WorkerError(AlpaTorchError, RuntimeError):
     """A worker failed or died while running a step."""
+
+
+class CheckpointError(AlpaTorchError, ValueError):
+    """A checkpoint cannot be written or read (missing, damaged, not this format, not this model)."""

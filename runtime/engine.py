@@ -4,17 +4,23 @@ The driver pickles the captured graph once, sends it with the stage's sharding
 to every worker (``WorkerGroup.call_all``), loads the model state as numpy
 (FINDINGS.md: numpy crosses Ray zero-copy, torch tensors do not), and then
 each step sends only the batch and the optimizer's host scalars; the loss comes
-back from rank 0. State stays on the workers until ``gather_state``.
+back from rank 0. State stays on the workers until ``gather_state``, or each
+worker writes its own shards of it (``save_shards``, format in ``checkpoint.py``).
+A failed step raises ``WorkerError`` naming the failed device and its stage
+(``stage_failure``); the ``WorkerGroup`` has then shut itself down.
 """
 
 from __future__ import annotations
 
 import logging
 import pickle
+import re
 import time
 from typing import Any
 
 import numpy as np
+
+from alpa_torch.errors import WorkerError
 
 from .group import WorkerGroup
 from .interpreter import serialize_graph
@@ -52,6 +58,12 @@ def _gather(state: dict) -> dict | None:
     return full if state.get("rank", 0) == 0 else None
 
 
+def _save(state: dict, directory: str) -> dict | None:
+    from .checkpoint import save_runner
+
+    return save_runner(state["runner"], directory, state["rank"])
+
+
 class Engine:
     """One planned stage spanning every worker of a ``WorkerGroup``."""
 
@@ -76,16 +88,49 @@ class Engine:
         self.group.call_all(_load, values)
 
     def step(self, batch: dict[str, np.ndarray], scalars: dict[str, float]) -> float:
-        losses = self.group.call_all(_step, batch, scalars, timeout_s=self.step_timeout_s)
+        try:
+            losses = self.group.call_all(_step, batch, scalars, timeout_s=self.step_timeout_s)
+        except WorkerError as exc:
+            raise stage_failure(exc, [tuple(range(self.group.world_size))]) from exc
         return float(losses[0])
 
     def gather_state(self) -> dict[str, np.ndarray]:
         return self.group.call_all(_gather)[0]
 
+    def save_shards(self, directory: str) -> list[dict | None]:
+        """Every device writes its tiles of the state into ``directory`` (``checkpoint.save_runner``)."""
+        try:
+            return self.group.call_all(_save, directory)
+        except WorkerError as exc:
+            raise stage_failure(exc, [tuple(range(self.group.world_size))]) from exc
+
 
 def _mark_rank(state: dict, rank: int) -> bool:
     state["rank"] = rank
     return True
+
+
+_DIED = re.compile(r"died: \[([\d, ]*)\]")
+_FAILED = re.compile(r"device rank\(s\) \[([\d, ]*)\]")
+
+
+def stage_failure(exc: WorkerError, stage_ranks: list[tuple[int, ...]]) -> WorkerError:
+    """``exc`` (from ``WorkerGroup``, which names ranks) with the stage of each failed rank named first.
+
+    The ranks are read from the group's message: the dead ones if any died, else every
+    rank that failed or timed out."""
+    text = str(exc)
+    died, failed = _DIED.search(text), _FAILED.search(text)
+    ranks = [int(r) for r in died.group(1).replace(",", " ").split()] if died else []
+    if not ranks and failed:
+        ranks = [int(r) for r in failed.group(1).replace(",", " ").split()]
+    parts = []
+    for rank in ranks:
+        stage = next((k for k, rs in enumerate(stage_ranks) if rank in rs), None)
+        if stage is not None:
+            parts.append(f"device {rank} of stage {stage} (stage devices {list(stage_ranks[stage])})")
+    where = "; ".join(parts) or f"a device of stage(s) {list(range(len(stage_ranks)))}"
+    return WorkerError(f"{where} failed: {text}")
 
 
 def to_numpy_dict(tensors: dict[str, Any]) -> dict[str, np.ndarray]:

@@ -5,6 +5,8 @@ stages, the crossings and its stage's compute order; each then builds the
 DeviceMesh of every stage in the same order (creating process groups is
 collective) and keeps its own stage's runner. A step is one call per worker
 with the microbatches; the loss comes back from the stage that computes it.
+``save_shards`` has every device write its stage's shards (``checkpoint.py``);
+failures name the device and its stage (``engine.stage_failure``).
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from alpa_torch.errors import BatchSplitError
+from alpa_torch.errors import BatchSplitError, WorkerError
 
+from .engine import stage_failure
 from .group import WorkerGroup
 from .interpreter import serialize_graph
 from .partition import partition
@@ -69,6 +72,12 @@ def _pstep(state: dict, microbatches: list, scalars: dict):
 
 def _pgather(state: dict) -> dict:
     return state["pipe"].runner.gather_state()
+
+
+def _psave(state: dict, directory: str) -> dict | None:
+    from .checkpoint import save_runner
+
+    return save_runner(state["pipe"].runner, directory, state["rank"])
 
 
 def compute_order(schedule: str, num_stages: int, num_microbatches: int) -> list[list[tuple[str, int]]]:
@@ -154,8 +163,19 @@ class PipelineEngine:
         return [{k: np.ascontiguousarray(np.split(v, m)[i]) for k, v in batch.items()} for i in range(m)]
 
     def step(self, batch: dict[str, np.ndarray], scalars: dict[str, float]) -> float:
-        results = self.group.call_all(_pstep, self.split(batch), scalars, timeout_s=self.step_timeout_s)
+        microbatches = self.split(batch)
+        try:
+            results = self.group.call_all(_pstep, microbatches, scalars, timeout_s=self.step_timeout_s)
+        except WorkerError as exc:
+            raise stage_failure(exc, [st.ranks for st in self.stages]) from exc
         return float(results[self.stages[self.loss_stage].ranks[0]])
+
+    def save_shards(self, directory: str) -> list[dict | None]:
+        """Every device writes its stage's tiles of the state into ``directory``."""
+        try:
+            return self.group.call_all(_psave, directory)
+        except WorkerError as exc:
+            raise stage_failure(exc, [st.ranks for st in self.stages]) from exc
 
     def gather_state(self) -> dict[str, np.ndarray]:
         results = self.group.call_all(_pgather)

@@ -18,6 +18,22 @@ import pytest
 _SESSION_HOSTS, _SESSION_DEVICES_PER_HOST = 2, 4
 
 
+@pytest.fixture(scope="session", autouse=True)
+def isolated_plan_cache(tmp_path_factory) -> Iterator[None]:
+    """Plans cached by tests go to a fresh directory, never the user's ~/.cache."""
+    import os
+
+    old = os.environ.get("ALPA_TORCH_CACHE")
+    os.environ["ALPA_TORCH_CACHE"] = str(tmp_path_factory.mktemp("plan_cache"))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("ALPA_TORCH_CACHE", None)
+        else:
+            os.environ["ALPA_TORCH_CACHE"] = old
+
+
 @pytest.fixture(scope="session")
 def ray_session() -> Iterator[None]:
     """A local Ray (127.0.0.1, no dashboard, token auth independent of ~/.ray) for this test session."""
