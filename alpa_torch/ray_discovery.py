@@ -1,0 +1,96 @@
+"""Reading a running Ray cluster's nodes for ``Cluster.from_ray``.
+
+Owns: which Ray nodes are hosts (GPU nodes, else CPU nodes), how many devices
+each contributes, and which built-in device spec Ray's accelerator type maps
+to. ``alpa_torch.cluster`` imports this lazily, so importing the cluster model
+does not import Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, NamedTuple
+
+from .cluster import (
+    _MAX_CPU_DEVICES_PER_HOST,
+    DEVICE_SPECS,
+    DeviceSpec,
+    _build,
+    _cpu_device,
+    _host_memory_bytes,
+)
+from .errors import ClusterSpecError
+
+logger = logging.getLogger(__name__)
+
+# Ray accelerator_type -> built-in device.
+_RAY_ACCELERATORS = {"V100": "v100-16gb", "A100": "a100-40gb", "A100-40G": "a100-40gb",
+                     "A100-80G": "a100-80gb", "H100": "h100-80gb", "B200": "b200"}
+
+class _RayLayout(NamedTuple):
+    device: DeviceSpec
+    num_hosts: int
+    devices_per_host: int
+    threads_per_device: int
+    backend: str
+
+
+def _node_name(node: Mapping[str, Any]) -> str:
+    return f"{node.get('NodeManagerAddress', '?')} ({str(node.get('NodeID', '?'))[:8]})"
+
+
+def read_ray_layout(address: str | None, device: str | DeviceSpec | None) -> _RayLayout:
+    import ray  # noqa: PLC0415 (heavy; only needed here)
+
+    if not ray.is_initialized():
+        logger.info("connecting to Ray at %s", address or "Ray's default address")
+        ray.init(address=address)
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    gpu_nodes = [n for n in nodes if int(n.get("Resources", {}).get("GPU", 0)) >= 1]
+    if gpu_nodes:
+        if len(gpu_nodes) < len(nodes):
+            logger.info("skipping %d Ray node(s) without GPUs", len(nodes) - len(gpu_nodes))
+        spec = _build(DeviceSpec, "device", device or _ray_accelerator(gpu_nodes), DEVICE_SPECS)
+        return _RayLayout(spec, len(gpu_nodes), _min_count(gpu_nodes, "GPU"), 1, "nccl")
+    cpu_nodes = [n for n in nodes if int(n.get("Resources", {}).get("CPU", 0)) >= 1]
+    if not cpu_nodes:
+        raise ClusterSpecError(f"the Ray cluster has no alive node with a GPU or CPU (alive: "
+                               f"{[_node_name(n) for n in nodes]}). Fix: start workers with `ray start "
+                               "--address=...`, or pass address= of a running cluster.")
+    cpus = _min_count(cpu_nodes, "CPU")
+    per_host = min(cpus, _MAX_CPU_DEVICES_PER_HOST)
+    threads = max(1, cpus // per_host)
+    if device is None:
+        memories = [n["Resources"].get("memory", 0) for n in cpu_nodes]
+        memory = min(memories) if all(memories) else _host_memory_bytes()
+        device = _cpu_device(memory // per_host, threads)
+    spec = _build(DeviceSpec, "device", device, DEVICE_SPECS)
+    return _RayLayout(spec, len(cpu_nodes), per_host, threads, "gloo")
+
+
+def _min_count(nodes: list[Mapping[str, Any]], resource: str) -> int:
+    """Smallest whole count of ``resource`` over ``nodes``; warns when some nodes have more."""
+    counts = {_node_name(n): int(n["Resources"][resource]) for n in nodes}
+    low = min(counts.values())
+    if len(set(counts.values())) > 1:
+        logger.warning("Ray nodes have different %s counts %s; using %d per host, the rest stay idle",
+                       resource, counts, low)
+    return low
+
+
+def _ray_accelerator(nodes: list[Mapping[str, Any]]) -> str:
+    """Built-in device name for the GPUs Ray reports; error if nodes disagree or the type is unknown."""
+    prefix = "accelerator_type:"
+    types = {_node_name(n): next((k.removeprefix(prefix) for k in sorted(n["Resources"]) if k.startswith(prefix)),
+                                 None) for n in nodes}
+    if len(set(types.values())) > 1:
+        raise ClusterSpecError(f"Ray GPU nodes have different accelerator types {types}; a Cluster has one "
+                               "device type. Fix: use nodes of one type, or pass device=<name> to plan for "
+                               "the slowest one.")
+    accelerator = next(iter(types.values()))
+    if accelerator not in _RAY_ACCELERATORS:
+        raise ClusterSpecError(f"Ray reports accelerator type {accelerator!r} on {sorted(types)}, which has no "
+                               f"built-in spec. Fix: pass device= one of {sorted(DEVICE_SPECS)} or a DeviceSpec.")
+    if accelerator == "A100":
+        logger.warning("Ray reports 'A100' without a memory size; assuming a100-40gb (pass device= to override)")
+    return _RAY_ACCELERATORS[accelerator]
