@@ -416,3 +416,133 @@ def build(name: str, seed: int = 0, batch_size: int = 8) -> tuple[nn.Module, Bat
 ZOO: dict[str, Callable[[], tuple[nn.Module, Batch]]] = {
     name: (lambda name=name: build(name)) for name in _ENTRIES
 }
+
+
+# ---------------------------------------------------------------- Hugging Face encoders and encoder-decoders
+# Appended after ZOO on purpose (the entries above stay as they were): BERT and T5
+# built from configs, random weights, eager attention, no dropout, nothing downloaded.
+# Every loss is a plain mean over all its targets (no ignore_index=-100 positions), so
+# the mean of equal microbatch means is the full-batch mean and pipelined training
+# equals eager training exactly. No attention_mask is passed (unlike HFCausalLM): for
+# these models transformers 5.x then skips mask creation, while an explicit all-ones mask
+# makes it test ``padding_mask.all()`` (masking_utils._ignore_bidirectional_mask_sdpa), a
+# data-dependent branch plain make_fx cannot trace (capture's fake tensors skip it).
+
+BERT_CLASSES = 4
+MASK_ID = 1  # the [MASK] token of the small vocabularies below (0 is padding)
+
+
+class HFSequenceClassifier(nn.Module):
+    """Wraps ``*ForSequenceClassification``; batch = (input_ids [B, T], labels [B])."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf = hf_model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=input_ids).logits  # [B, classes]
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+
+class HFMaskedLM(nn.Module):
+    """Wraps ``*ForMaskedLM``; batch = (masked input_ids [B, T], original ids [B, T]).
+
+    The loss covers every position (the original token is the target everywhere),
+    not only the masked ones as in BERT's recipe: a -100 target count that differs
+    between microbatches would make the pipelined loss differ from the eager one.
+    """
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf = hf_model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=input_ids).logits  # [B, T, V]
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        return lm_loss(self(batch[0]), batch[1])
+
+
+class HFSeq2SeqLM(nn.Module):
+    """Wraps an encoder-decoder ``*ForConditionalGeneration`` (T5); batch = (input_ids [B, T],
+    labels [B, T]). The model's own ``labels=`` loss: it shifts the labels right into the
+    decoder inputs itself and takes the mean cross-entropy over every label."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf = hf_model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=input_ids, labels=labels, use_cache=False).loss
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        return self(batch[0], batch[1])
+
+
+def _bert_config(n_layer: int, hidden: int, n_head: int, intermediate: int, vocab: int, max_positions: int,
+                 **extra):
+    from transformers import BertConfig
+
+    return BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=n_layer, num_attention_heads=n_head,
+                      intermediate_size=intermediate, max_position_embeddings=max_positions,
+                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0,
+                      attn_implementation="eager", **extra)
+
+
+def hf_bert(n_layer: int = 2, hidden: int = 32, n_head: int = 2, intermediate: int = 64, vocab: int = 64,
+            max_positions: int = 32, num_labels: int = BERT_CLASSES) -> HFSequenceClassifier:
+    """``BertForSequenceClassification`` from a config: random weights, eager attention, no dropout."""
+    from transformers import BertForSequenceClassification
+
+    cfg = _bert_config(n_layer, hidden, n_head, intermediate, vocab, max_positions, num_labels=num_labels)
+    return HFSequenceClassifier(BertForSequenceClassification(cfg))
+
+
+def hf_bert_mlm(n_layer: int = 2, hidden: int = 32, n_head: int = 2, intermediate: int = 64, vocab: int = 64,
+                max_positions: int = 32) -> HFMaskedLM:
+    """``BertForMaskedLM`` from a config (its decoder tied to the word embeddings, as BERT's)."""
+    from transformers import BertForMaskedLM
+
+    return HFMaskedLM(BertForMaskedLM(_bert_config(n_layer, hidden, n_head, intermediate, vocab, max_positions)))
+
+
+def hf_t5(n_layer: int = 2, d_model: int = 32, n_head: int = 2, d_kv: int = 16, d_ff: int = 64,
+          vocab: int = 64) -> HFSeq2SeqLM:
+    """``T5ForConditionalGeneration`` from a config: encoder and decoder of ``n_layer`` blocks each."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=vocab, d_model=d_model, d_kv=d_kv, d_ff=d_ff, num_layers=n_layer,
+                   num_decoder_layers=n_layer, num_heads=n_head, dropout_rate=0.0, pad_token_id=0,
+                   eos_token_id=1, decoder_start_token_id=0, use_cache=False, attn_implementation="eager")
+    return HFSeq2SeqLM(T5ForConditionalGeneration(cfg))
+
+
+def _cls_batch(vocab: int, batch_size: int, gen: torch.Generator) -> Batch:
+    ids = torch.randint(2, vocab, (batch_size, SEQ_LEN), generator=gen)  # [B, T], no pad / mask ids
+    return ids, torch.randint(0, BERT_CLASSES, (batch_size,), generator=gen)  # [B]
+
+
+def _mlm_batch(vocab: int, batch_size: int, gen: torch.Generator) -> Batch:
+    ids = torch.randint(2, vocab, (batch_size, SEQ_LEN), generator=gen)  # [B, T] originals
+    masked = torch.rand(batch_size, SEQ_LEN, generator=gen) < 0.15  # BERT's 15 %
+    return ids.masked_fill(masked, MASK_ID), ids
+
+
+def _seq2seq_batch(vocab: int, batch_size: int, gen: torch.Generator) -> Batch:
+    source = torch.randint(2, vocab, (batch_size, SEQ_LEN), generator=gen)  # [B, T]
+    return source, torch.randint(2, vocab, (batch_size, SEQ_LEN), generator=gen)  # labels [B, T]
+
+
+_ENTRIES["hf_bert"] = (hf_bert, lambda b, g: _cls_batch(64, b, g))
+_ENTRIES["hf_bert_mlm"] = (hf_bert_mlm, lambda b, g: _mlm_batch(64, b, g))
+_ENTRIES["hf_t5"] = (hf_t5, lambda b, g: _seq2seq_batch(64, b, g))
+ZOO["hf_bert"] = lambda: build("hf_bert")
+
+ZOO_SLOW: dict[str, Callable[[], tuple[nn.Module, Batch]]] = {
+    name: (lambda name=name: build(name)) for name in ("hf_bert_mlm", "hf_t5")
+}
+"""Built like ``ZOO``'s entries (``build``, ``make_batch`` take their names) but kept out of ``ZOO``:
+the tests parametrized over ``ZOO`` (capture x every optimizer) would take minutes longer with
+T5 (~30 s per capture here). ``tests/test_hf.py`` trains them against eager (slow tests)."""

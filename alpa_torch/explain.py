@@ -1,0 +1,285 @@
+"""Why this plan: time and memory per stage, the binding constraint, the runner-ups.
+
+Owns the explanation of a ``ParallelPlan`` (``explain(plan) -> str``), the
+runner-up plans (``alternatives``) and the planning entry the CLI uses
+(``plan_with_model``: ``stage_dp.search.plan`` with a ``StageCostModel`` kept, so
+the runner-ups reuse every ILP solution). It does not search anything new: the
+runner-ups are the same stage DP (``stage_dp.search.run_dp``) on the same priced
+stage tables (``build_tables``), re-run with forced options.
+
+Per stage k of a plan with B microbatches and step time T (Alpa eq. 2,
+``T = Σ_k t_k + (B - 1) max_k t_k``), per step:
+
+    compute_k = B · compute_s      comm_k = B · comm_s   (of which B · cross_stage_s
+    bubble_k  = T - B · t_k                              crosses to other stages)
+
+so compute_k + comm_k + bubble_k = T on every stage: the bubble is the time stage
+k waits for the others (fill and drain of the pipeline, and waiting on slower
+stages). Memory per device: persistent + in_flight × activation (``StagePlan``).
+
+Runner-ups (``alternatives``), what the DP compared or could have been forced to:
+
+1. the best plan at each microbatch count B the search tried (it keeps the best B);
+2. the best plan with the stage count forced to K, for K in 1, 2, 4, ... (and the
+   chosen K ± 1), at every B: K = 1 is ``pipeline=False``;
+
+(1 and 2 also when the plan's own B or K were forced: every B dividing the batch,
+unless BatchNorm pins B = 1; nothing but K = 1 when the plan has ``pipeline=False``);
+3. the best plan with no memory limit (budget = inf, plain 'fast' ILPs): if it is
+   faster than the chosen plan, memory is the binding constraint, else time is.
+
+Plans recorded by the CLI carry these in ``plan.options['alternatives']``; for a
+plan without them, ``explain`` falls back to a heuristic for the binding
+constraint (memory if a stage needed a memory-lean ILP variant or the peak is
+within 5 % of the budget) and says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import re
+from typing import Callable
+
+from .plan import ParallelPlan, _ranges
+
+log = logging.getLogger(__name__)
+_GiB = 2.0**30
+_MS = 1e3
+MEMORY_TIGHT = 0.95
+"""Peak / budget above which the heuristic calls memory binding."""
+
+
+# ------------------------------------------------------------------ planning with the cost model kept
+def plan_with_model(graph, cluster, *, num_microbatches=None, num_layers=None, num_stages=None, pipeline=True,
+                    sharding=True, memory_budget_bytes=None, schedule="1f1b",
+                    progress: Callable[[str], None] | None = None):
+    """``stage_dp.search.plan`` as ``parallelize`` calls it; returns (plan, StageCostModel)."""
+    from stage_dp.layer_assign import assign_layers
+    from stage_dp.search import plan as search
+    from stage_dp.stage_costs import StageCostModel
+
+    from .api import couples_batch
+    from .errors import PlanError
+
+    if couples_batch(graph):  # BatchNorm statistics: microbatches would change them (api.make_plan)
+        if num_microbatches not in (None, 1):
+            raise PlanError(f"num_microbatches={num_microbatches} with BatchNorm in training mode would change "
+                            "its batch statistics; use num_microbatches=1 (or GroupNorm/LayerNorm)")
+        num_microbatches = 1
+    try:
+        layers = assign_layers(graph, num_layers)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from exc
+    model = StageCostModel(graph, cluster, layers, sharding=sharding, progress=progress)
+    plan = search(graph, cluster, num_microbatches=num_microbatches, num_stages=num_stages, pipeline=pipeline,
+                  sharding=sharding, memory_budget_bytes=memory_budget_bytes, schedule=schedule,
+                  progress=progress, cost_model=model)
+    return plan, model
+
+
+# ------------------------------------------------------------------ runner-ups
+def alternatives(model, plan: ParallelPlan) -> list[dict]:
+    """Runner-up plans (module docstring, 1-3), each a JSON-ready dict, fastest first."""
+    from stage_dp.search import build_tables, candidate_columns
+
+    opts = plan.options
+    budget, schedule = plan.memory_budget_bytes, plan.schedule
+    scale = 1.0 / max(opts.get("microbatch_candidates") or [plan.num_microbatches])
+    candidates = _microbatch_counts(model.graph, plan)
+    devices = model.cluster.num_devices
+    pipeline = opts.get("pipeline", True)
+    forced = opts.get("num_stages")
+    sub_idx = model.submeshes.index(tuple(opts["submesh"])) if opts.get("submesh") else None
+    counts = [None] if not pipeline else [None] + _stage_counts(len(plan.stages), model, devices)
+    columns = candidate_columns(model, model.configs, budget, scale, lean_all=bool(opts.get("lean_all")))
+    free_columns = candidate_columns(model, model.configs, math.inf, scale, lean_all=False)
+    seen, out = set(), []
+    for b in candidates:
+        tables = build_tables(model, columns, b, budget, schedule, scale)
+        for k in counts:
+            label = (f"{k} stage(s) forced, B={b}" if k else f"{forced} stage(s) as planned, B={b}" if forced
+                     else f"best at B={b}")
+            _add(out, seen, tables, devices, k or forced, pipeline, sub_idx, label=label, budget=budget,
+                 schedule=schedule)
+        free = build_tables(model, free_columns, b, math.inf, schedule, scale)
+        _add(out, seen, free, devices, forced, pipeline, sub_idx, label=f"no memory limit, B={b}",
+             budget=budget, schedule=schedule, unlimited=True)
+    out.sort(key=lambda a: (a["predicted_step_s"], a["num_stages"], a["label"]))
+    return out
+
+
+def _microbatch_counts(graph, plan: ParallelPlan) -> list[int]:
+    """Every B the search could try (also when the plan's B was forced); 1 only with BatchNorm."""
+    from stage_dp.search import microbatch_candidates
+
+    from .api import couples_batch
+
+    return [1] if couples_batch(graph) else microbatch_candidates(graph, None)
+
+
+def _stage_counts(chosen: int, model, devices: int) -> list[int]:
+    top = min(devices, model.layers.num_layers)
+    ks = {1, chosen - 1, chosen + 1} | {2**i for i in range(1, top.bit_length())}
+    return sorted(k for k in ks if 1 <= k <= top)
+
+
+def _add(out, seen, tables, devices, num_stages, pipeline, sub_idx, *, label, budget, schedule, unlimited=False):
+    from stage_dp.dp import NoFeasiblePlanError
+    from stage_dp.search import run_dp, step_time
+
+    try:
+        res = run_dp(tables, devices, num_stages=num_stages, max_stages=None if pipeline else 1,
+                     submesh_index=sub_idx)
+    except NoFeasiblePlanError as exc:
+        log.debug("%s: no plan (%s)", label, exc)
+        return
+    key = (tables.num_microbatches, res.stages, unlimited)
+    if key in seen:
+        return
+    seen.add(key)
+    out.append(describe_stages(tables, res.stages, step_time(tables, res.stages), label=label, budget=budget,
+                               schedule=schedule, unlimited=unlimited))
+
+
+def describe_stages(tables, stages, total_s: float, *, label: str, budget: float, schedule: str,
+                    unlimited: bool) -> dict:
+    """A runner-up as data: summary, time parts (eq. 2) and peak memory per device."""
+    b, k_total = tables.num_microbatches, len(stages)
+    parts, peak, slow = [], 0.0, (-1.0, 0.0, 0.0)
+    for k, (i, j, s, c) in enumerate(stages):
+        cfg = tables.columns[s][c]
+        in_flight = b if schedule == "gpipe" else min(k_total - k, b)  # as search.build_plan
+        peak = max(peak, float(tables.persistent_bytes[i, j, s, c] + in_flight * tables.activation_bytes[i, j, s, c]))
+        t, comp = float(tables.cost_s[i, j, s, c]), float(tables.compute_s[i, j, s, c])
+        slow = max(slow, (t, comp, t - comp))
+        variant = "" if cfg.variant == "fast" else f"[{cfg.variant}]"
+        parts.append(f"L{i}-{j}@{cfg.submesh[0]}x{cfg.submesh[1]}/{cfg.logical_shape[0]}x{cfg.logical_shape[1]}"
+                     f"{variant}")
+    t_max, comp, comm = slow
+    return {"label": label, "summary": f"B={b} " + " | ".join(parts), "num_microbatches": b,
+            "num_stages": k_total, "predicted_step_s": float(total_s), "compute_s": b * comp,
+            "communication_s": b * comm, "bubble_s": float(total_s) - b * t_max, "peak_memory_bytes": peak,
+            "fits": bool(peak <= budget), "memory_unlimited": unlimited}
+
+
+def with_alternatives(plan: ParallelPlan, alts: list[dict], **extra) -> ParallelPlan:
+    """A copy of ``plan`` whose ``options`` also hold the runner-ups (and ``extra`` facts)."""
+    return dataclasses.replace(plan, options={**plan.options, "alternatives": alts, **extra})
+
+
+# ------------------------------------------------------------------ the explanation
+def stage_breakdown(plan: ParallelPlan) -> list[dict]:
+    """Per stage, per step: compute, communication, cross-stage, bubble (module docstring)."""
+    b, total = plan.num_microbatches, plan.predicted_step_s
+    return [{"stage": s.index, "compute_s": b * s.compute_s, "comm_s": b * s.comm_s,
+             "cross_stage_s": b * s.cross_stage_s, "bubble_s": total - b * s.time_s,
+             "headroom_bytes": plan.memory_budget_bytes - s.memory_bytes} for s in plan.stages]
+
+
+def binding_constraint(plan: ParallelPlan) -> tuple[str, str]:
+    """('memory' | 'time', why) from the recorded no-memory-limit runner-up, else the heuristic."""
+    alts = plan.options.get("alternatives")
+    free = [a for a in alts or () if a.get("memory_unlimited")]
+    if free:
+        best = min(free, key=lambda a: a["predicted_step_s"])
+        if best["predicted_step_s"] < plan.predicted_step_s * (1 - 1e-6) and not best["fits"]:
+            gain = 1 - best["predicted_step_s"] / plan.predicted_step_s
+            return "memory", (f"without a memory limit the plan {best['summary']} would take "
+                              f"{best['predicted_step_s'] * _MS:.3f} ms ({gain:.1%} faster) but needs "
+                              f"{best['peak_memory_bytes'] / _GiB:.2f} GiB per device, over the "
+                              f"{plan.memory_budget_bytes / _GiB:.2f} GiB budget")
+        pace = ("the slowest stage sets the pace (B x t_max) and the pipeline fill/drain adds the bubble"
+                if len(plan.stages) > 1 else "the stage's compute and communication are the step")
+        return "time", f"no faster plan exists even with unlimited memory: {pace}"
+    lean = [s.index for s in plan.stages if s.variant != "fast"]
+    ratio = plan.peak_memory_bytes / plan.memory_budget_bytes
+    if lean or ratio > MEMORY_TIGHT or plan.options.get("lean_all"):
+        why = f"stages {lean} use memory-lean ILP variants" if lean else f"the peak is {ratio:.0%} of the budget"
+        return "memory", why + " (heuristic: this plan records no runner-ups; re-plan with the CLI to check)"
+    return "time", (f"every stage uses its fastest sharding and the peak is {ratio:.0%} of the budget "
+                    "(heuristic: this plan records no runner-ups)")
+
+
+def explain(plan: ParallelPlan, top: int = 8) -> str:
+    """The text report of ``alpa-torch explain``."""
+    b, total = plan.num_microbatches, plan.predicted_step_s
+    lines = [f"Plan: {plan.summary()}  ({len(plan.stages)} stage(s), {b} microbatch(es), {plan.schedule})",
+             f"Cluster: {plan.cluster_description}",
+             f"Predicted step: {total * _MS:.3f} ms = compute {plan.compute_s * _MS:.3f} + comm "
+             f"{plan.communication_s * _MS:.3f} + bubble {plan.bubble_s * _MS:.3f} (slowest stage, Alpa eq. 2)",
+             "", "Time per stage and step (compute + comm + bubble = step time on every stage):"]
+    head = ("stage", "devices", "mesh", "compute ms", "comm ms", "(cross-stage)", "bubble ms", "busy")
+    rows = [head]
+    for s, part in zip(plan.stages, stage_breakdown(plan)):
+        busy = 1 - part["bubble_s"] / total if total > 0 else 1.0
+        rows.append((str(s.index), _ranges(s.device_ids), f"{s.logical_mesh[0]}x{s.logical_mesh[1]}",
+                     f"{part['compute_s'] * _MS:.3f}", f"{part['comm_s'] * _MS:.3f}",
+                     f"({part['cross_stage_s'] * _MS:.3f})", f"{part['bubble_s'] * _MS:.3f}", f"{busy:.0%}"))
+    lines += _table(rows)
+    lines += ["", f"Memory per device (budget {plan.memory_budget_bytes / _GiB:.3f} GiB):"]
+    rows = [("stage", "devices", "persistent GiB", "activations GiB", "in flight", "peak GiB", "headroom GiB")]
+    for s in plan.stages:
+        head_b = plan.memory_budget_bytes - s.memory_bytes
+        rows.append((str(s.index), _ranges(s.device_ids), f"{s.persistent_bytes / _GiB:.3f}",
+                     f"{s.activation_bytes / _GiB:.3f}", str(s.in_flight), f"{s.memory_bytes / _GiB:.3f}",
+                     f"{head_b / _GiB:.3f} ({head_b / plan.memory_budget_bytes:.0%})"))
+    lines += _table(rows)
+    kind, why = binding_constraint(plan)
+    slow = max(plan.stages, key=lambda s: (s.time_s, -s.index))
+    lines += ["", f"Binding constraint: {kind.upper()}: {why}.",
+              f"Slowest stage: {slow.index} (t = {slow.time_s * _MS:.3f} ms per microbatch: compute "
+              f"{slow.compute_s * _MS:.3f}, comm {slow.comm_s * _MS:.3f}); "
+              f"it is {'communication' if slow.comm_s > slow.compute_s else 'compute'}-bound."]
+    lines += ["", *_runner_ups(plan, top)]
+    stats = {k: plan.options[k] for k in ("plan_s", "num_ilps", "ilp_s", "dp_tmax_evaluated", "layering")
+             if k in plan.options}
+    if stats:
+        lines += ["", "Planner: " + ", ".join(f"{k} {v}" for k, v in stats.items())]
+    return "\n".join(lines)
+
+
+def distinct_runner_ups(plan: ParallelPlan) -> list[dict]:
+    """The recorded runner-ups, one per stage layout (the layout at its best B; one that fits the
+    budget before one that does not), the chosen layout left out, fastest first."""
+    chosen = _layout(plan.summary())
+    best: dict[str, dict] = {}
+    for a in plan.options.get("alternatives") or ():
+        layout = _layout(a["summary"])
+        rank = (not a["fits"], a["predicted_step_s"], a["peak_memory_bytes"])
+        if layout != chosen and (layout not in best or rank < _rank(best[layout])):
+            best[layout] = a
+    return sorted(best.values(), key=lambda a: (a["predicted_step_s"], not a["fits"], a["num_stages"]))
+
+
+def _layout(summary: str) -> str:
+    """'B=4 L0-3@1x2/2x1[lean] | ...' -> 'L0-3@1x2/2x1 | ...' (the stages, not B or the ILP variant)."""
+    return re.sub(r"\[\w+\]", "", summary.split(" ", 1)[1] if " " in summary else summary)
+
+
+def _rank(a: dict) -> tuple:
+    return (not a["fits"], a["predicted_step_s"], a["peak_memory_bytes"])
+
+
+def _runner_ups(plan: ParallelPlan, top: int) -> list[str]:
+    if plan.options.get("alternatives") is None:
+        return ["Runner-ups: none recorded in this plan. `alpa-torch explain PLAN --model MODEL` (or "
+                "`alpa-torch plan`) re-plans the model and adds them."]
+    others = distinct_runner_ups(plan)
+    if not others:
+        return ["Runner-ups: none: every other option the DP was given led to this same stage layout."]
+    lines = [f"Runner-ups (other stage layouts the stage DP found: best per microbatch count B, per forced "
+             f"stage count, and without a memory limit; {len(others)} distinct, {min(top, len(others))} shown):"]
+    rows = [("#", "step ms", "vs chosen", "peak GiB", "fits", "found as", "plan")]
+    for n, a in enumerate(others[:top], 1):
+        rows.append((str(n), f"{a['predicted_step_s'] * _MS:.3f}",
+                     f"{a['predicted_step_s'] / plan.predicted_step_s - 1:+.1%}" if plan.predicted_step_s else "-",
+                     f"{a['peak_memory_bytes'] / _GiB:.3f}", "yes" if a["fits"] else "NO", a["label"],
+                     a["summary"]))
+    return lines + _table(rows)
+
+
+def _table(rows) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]

@@ -1,0 +1,96 @@
+"""Golden tests: Hugging Face models, unchanged, through ``parallelize`` on 2x2 devices.
+
+Each case builds a transformers model from a config (random weights, nothing
+downloaded; ``tests/zoo.py``), runs 3 steps of the automatically planned step on
+``Cluster.local(2, 2)`` (the session Ray) and compares every step's loss and every
+parameter afterwards with eager single-device training (fp32, atol 1e-5).
+
+Families: GPT-2 and LLaMA (causal LM), BERT (sequence classification and masked LM),
+T5 (encoder-decoder with labels). Planning takes 20-40 s per model on 2 cores, so
+only BERT classification runs by default; the others are ``slow``
+(``python -m pytest -m slow tests/test_hf.py``). GPT-2 also runs by default in
+``test_runtime.test_automatic_plan_matches_eager``. BERT-MLM and T5 pass with one
+stage; their automatic plans hit two known bugs, kept as ``xfail`` below.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only: never the network
+
+import pytest
+import torch
+
+from alpa_torch import Cluster, PlanError, parallelize
+from tests.zoo import build, make_batch, make_optimizer, train_step
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("ray_session")
+ATOL = 1e-5
+STEPS = 3
+
+
+def run_golden(name: str, opt: str = "adamw", **options):
+    """3 planned steps on 2x2 local devices vs eager; returns the plan."""
+    eager, _ = build(name)
+    model = copy.deepcopy(eager)
+    eager_opt, optimizer = make_optimizer(opt, eager), make_optimizer(opt, model)
+    step = parallelize(train_step, cluster=Cluster.local(2, 2), **options)
+    try:
+        for i in range(STEPS):
+            batch = make_batch(name, 8, seed=i)
+            expected = float(train_step(eager, eager_opt, batch).detach())
+            got = float(step(model, optimizer, batch))
+            assert got == pytest.approx(expected, abs=ATOL), f"{name} step {i}: loss {got} != eager {expected}"
+        state = step.state_dict()
+        plan = step.plan
+    finally:
+        step.shutdown()
+    assert sum(s.num_devices for s in plan.stages) == 4
+    for pname, p in eager.named_parameters():
+        torch.testing.assert_close(state["model"][pname], p.detach(), atol=ATOL, rtol=0, msg=f"{name}: {pname}")
+    return plan
+
+
+def test_bert_sequence_classification_matches_eager():
+    run_golden("hf_bert")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,opt", [("hf_gpt2", "adamw"), ("hf_llama", "adamw")])
+def test_causal_lm_matches_eager(name, opt):
+    run_golden(name, opt)
+
+
+@pytest.mark.slow
+def test_bert_masked_lm_one_stage_matches_eager():
+    """BertForMaskedLM ties its decoder to the word embeddings: one stage (see the xfail below)."""
+    run_golden("hf_bert_mlm", "adam", pipeline=False)
+
+
+@pytest.mark.slow
+def test_t5_one_stage_matches_eager():
+    """T5 with labels=, one stage and one microbatch (see the xfails below)."""
+    run_golden("hf_t5", pipeline=False, num_microbatches=1)
+
+
+# Known failures of the automatic plan (reported with patches; remove the marks once fixed):
+# 1. Tied parameters (BERT-MLM's decoder = word embeddings, T5's shared embedding) are read
+#    by the first and the last layer; the stage DP may cut between them and the pipeline
+#    runtime then refuses the plan (runtime/partition.py: "a weight shared by several stages").
+# 2. T5's _shift_right writes `ids[..., 0] = decoder_start_token_id`: a 0-d tensor constant
+#    (get_attr '_tensor_constant0') that runtime/partition.py has no stage for (KeyError)
+#    whenever the plan runs on the pipeline engine (several stages or microbatches).
+@pytest.mark.slow
+@pytest.mark.xfail(raises=PlanError, reason="planner splits a tied embedding across stages (1)")
+def test_bert_masked_lm_automatic_plan():
+    run_golden("hf_bert_mlm", "adam")
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(raises=(KeyError, PlanError), reason="graph constant in a pipelined plan (2), ties (1)")
+@pytest.mark.parametrize("options", [{}, {"num_microbatches": 2}], ids=["automatic", "microbatches"])
+def test_t5_pipeline_engine(options):
+    run_golden("hf_t5", **options)
