@@ -47,7 +47,9 @@ single-device eager|), loss_diff_all_steps (max over every step), warning
 eager_1dev_step_s, alpa_setup_s (capture, plan, workers, deploy),
 alpa_steps_s / torch_steps_s (every step, warm-up included), plan; with
 ``--breakdown``, alpa_breakdown: per rank, mean seconds per step in the
-worker's step, in DTensor redistributions (collectives), in pipeline
+worker's step, in DTensor redistributions (collectives), in the gradient
+buckets (``grad_bucket_s``: flattening, issuing and waiting for the bucketed
+all-reduces; ``grad_buckets``: buckets issued per step), in pipeline
 send/recv (a recv includes waiting for the other stage) and the rest
 (``ops_s``: operators and interpreter), plus the driver's overhead (Ray).
 The summary line gives the target (alpa-torch <= 1.10 x PyTorch per case) and
@@ -104,19 +106,22 @@ def _worker_rss_peak(state: dict) -> float:
 
 
 def _worker_install_timers(state: dict) -> bool:
-    """``--breakdown``: time this worker's step, its DTensor redistributions and its pipeline p2p.
+    """``--breakdown``: time this worker's step, its DTensor redistributions, gradient buckets and p2p.
 
     Wraps, in this worker process only, the runner's ``step``, DTensor's
     ``redistribute_local_tensor`` (every collective a plan or DTensor's own
-    rules insert; synchronous on gloo) and ``runtime.comm.send`` / ``recv``
-    (a ``recv`` includes waiting for the other stage: transfer plus bubble).
+    rules insert; synchronous on gloo), ``runtime.grad_buckets.GradBuckets``'
+    issue and completion (the bucketed gradient all-reduces: asynchronous, so
+    this is the time they cost the step, not their duration) and
+    ``runtime.comm.send`` / ``recv`` (a ``recv`` includes waiting for the other
+    stage: transfer plus bubble).
     """
     import time
 
     from torch.distributed.tensor import _api, _dispatch, _redistribute
 
     timers = state["bench_timers"] = {"step_s": 0.0, "steps": 0, "redistribute_s": 0.0, "redistributes": 0,
-                                      "recv_s": 0.0, "send_s": 0.0}
+                                      "recv_s": 0.0, "send_s": 0.0, "bucket_s": 0.0, "buckets": 0}
 
     def timed(fn, key, count=None):
         def wrapper(*args, **kwargs):
@@ -134,6 +139,13 @@ def _worker_install_timers(state: dict) -> bool:
     redistribute = timed(_redistribute.redistribute_local_tensor, "redistribute_s", "redistributes")
     for module in (_redistribute, _api, _dispatch):
         module.redistribute_local_tensor = redistribute
+    try:
+        from runtime.grad_buckets import GradBuckets
+    except ImportError:  # an older runtime without buckets
+        GradBuckets = None
+    if GradBuckets is not None:
+        GradBuckets._issue = timed(GradBuckets._issue, "bucket_s", "buckets")
+        GradBuckets._complete = timed(GradBuckets._complete, "bucket_s")
     if "pipe" in state:
         from runtime import comm
 
@@ -226,8 +238,10 @@ def _breakdown(driver_times: list[float], timers: list[dict] | None) -> dict | N
     n = max(timers[0]["steps"], 1)
     per_rank = [{"step_s": t["step_s"] / n, "redistribute_s": t["redistribute_s"] / n,
                  "redistributes": t["redistributes"] / n, "p2p_recv_s": t["recv_s"] / n,
-                 "p2p_send_s": t["send_s"] / n,
-                 "ops_s": (t["step_s"] - t["redistribute_s"] - t["recv_s"] - t["send_s"]) / n} for t in timers]
+                 "p2p_send_s": t["send_s"] / n, "grad_bucket_s": t.get("bucket_s", 0.0) / n,
+                 "grad_buckets": t.get("buckets", 0) / n,
+                 "ops_s": (t["step_s"] - t["redistribute_s"] - t["recv_s"] - t["send_s"] - t.get("bucket_s", 0.0)) / n}
+                for t in timers]
     driver_s = sum(driver_times) / len(driver_times)
     worker_s = max(r["step_s"] for r in per_rank)
     return {"driver_step_s": round(driver_s, 4), "max_worker_step_s": round(worker_s, 4),

@@ -63,16 +63,20 @@ def _spec_of(value: DTensor) -> str:
     return str(from_dtensor_placements(value.placements))
 
 
-def send(value: DTensor, dst_spec: str, src_mesh: MeshPlacement, dst_mesh: MeshPlacement, tag: int,
+def send(value: DTensor | torch.Tensor, dst_spec: str, src_mesh: MeshPlacement, dst_mesh: MeshPlacement, tag: int,
          gather: bool = False) -> list:
     """Post the sends of this device's boxes of ``value``; returns the pending works.
 
-    Partial placements are reduced on the source mesh first (collective among its devices)."""
-    value = _no_partial(value)
+    Partial placements are reduced on the source mesh first (collective among its devices).
+    A plain tensor is a value replicated on the source mesh (a one-device stage runs without DTensor)."""
+    if isinstance(value, DTensor):
+        value = _no_partial(value)
+        spec, local = _spec_of(value), value.to_local()
+    else:
+        spec, local = "R" * len(src_mesh.shape), value
     shape = tuple(value.shape)
-    plan = _plan(shape, _spec_of(value), src_mesh, dst_spec, dst_mesh, gather)
+    plan = _plan(shape, spec, src_mesh, dst_spec, dst_mesh, gather)
     me = dist.get_rank()
-    local = value.to_local()
     tile = plan.src_tile(me)
     works = []
     for t in plan.transfers_from(me):

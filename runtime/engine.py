@@ -28,6 +28,25 @@ from .interpreter import serialize_graph
 log = logging.getLogger(__name__)
 
 
+def keep_freed_memory() -> None:
+    """Worker processes: let glibc reuse freed memory instead of giving it back to the OS.
+
+    The runtime frees every value after its last reader; with glibc's default
+    (dynamic) thresholds the freed top of the heap and large blocks go back to the
+    kernel and the next step faults every page in again: 3,000-11,000 minor faults
+    and +0.03 s of system time per step and device on the GPT benchmark, none for
+    DDP. Blocks up to 32 MiB (glibc's maximum) come from the heap, and the heap is
+    trimmed only above 1 GiB free. Not glibc (``mallopt`` missing): nothing to do."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        log.debug("mallopt unavailable: allocator left as is")
+
+
 def _setup(state: dict, gm_bytes: bytes, sharding: dict, io: dict, ranks: list[int], mesh_shape) -> bool:
     import torch
 
@@ -38,6 +57,7 @@ def _setup(state: dict, gm_bytes: bytes, sharding: dict, io: dict, ranks: list[i
     torch.manual_seed(0)
     from torch.distributed.device_mesh import DeviceMesh
 
+    keep_freed_memory()
     records = pickle.loads(gm_bytes)
     mesh = DeviceMesh("cpu", torch.tensor(ranks).view(*mesh_shape))
     state["runner"] = StageRunner(records, sharding["value_specs"], sharding["input_specs"], io, mesh)

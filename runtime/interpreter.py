@@ -7,6 +7,24 @@ collectives the ILP priced (all-reduce for P -> R, all-gather for S -> R, ...);
 DTensor's own rules then compute the local result. Operators DTensor has no
 rule for run on the full (replicated) values, as the planner assumed.
 
+What keeps the per-step cost near eager PyTorch's:
+
+- the records are compiled once (``program.py``): arguments are built by
+  precompiled closures, and every value is deleted from the environment after
+  its last reader (liveness), so memory is given back during the step;
+- partial gradients the plan reduces are reduced in flat asynchronous buckets
+  (``grad_buckets.py``), waited for by their first reader in the update;
+- (experimental, off unless ``ALPA_TORCH_REPLAY=1`` in the workers' environment)
+  the first step runs every operator through DTensor and records how it ran;
+  later steps replay that on local tensors (``replay.py``): the plan's
+  redistributions, then the plain kernel, or DTensor where the plain kernel
+  would not compute the same shard. Its safety check compares values on the
+  first step only, which is unsound (it computed wrong shards on some 2-D and
+  tensor-parallel plans), so it stays off until it decides from placements;
+- on a one-device mesh there is nothing to shard: operators run on plain
+  tensors from the start (``self.local``); values become DTensors only where
+  they cross to another stage (``pipeline.py``).
+
 This module runs inside a worker process; the driver side is ``engine.py``.
 It needs a default process group (gloo or NCCL) spanning the mesh's ranks.
 """
@@ -15,6 +33,8 @@ from __future__ import annotations
 
 import logging
 import operator
+import os
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -23,16 +43,20 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
 
 from intra_ilp.spec import ShardingSpec
 from intra_ilp.strategies import to_dtensor_placements
 
+from .grad_buckets import BUCKET_CAP_BYTES, GradBuckets, deferred_wants, find_reductions
+from .program import CALL, GET_ATTR, GETITEM, MARKER, OUTPUT, Program, Ref, compile_program
+from .replay import InputMeta, StepReplay, agree, check_local, meta_of, replay_args, to_local, wrap
+
 log = logging.getLogger(__name__)
 GRAD_MARKER_NAME = "alpa.grad.default"
-
-
-class Ref(str):
-    """A reference to another node's value inside a serialized node's arguments."""
+REPLAY = os.environ.get("ALPA_TORCH_REPLAY", "0") == "1"
+"""``ALPA_TORCH_REPLAY=1``: learn and replay operators on local tensors (experimental)."""
+__all__ = ["GRAD_MARKER_NAME", "Ref", "StageRunner", "serialize_graph"]
 
 
 def serialize_graph(gm: fx.GraphModule) -> list[tuple]:
@@ -62,29 +86,57 @@ def _target(t):
     return t
 
 
-def _resolve(value, env):
-    return pytree.tree_map(lambda a: env[a] if isinstance(a, Ref) else a, value)
-
-
 class StageRunner:
     """Holds one device's shards of the model state and runs the planned step."""
 
     def __init__(self, records: list[tuple], value_specs: dict[str, str], input_specs: dict[str, list[str]],
-                 io: dict, mesh: DeviceMesh):
+                 io: dict, mesh: DeviceMesh, bucket_cap_bytes: int = BUCKET_CAP_BYTES):
         self.mesh = mesh
+        self.local = mesh.size() == 1
+        """One device: plain tensors, no DTensor (every placement is trivially satisfied)."""
         self.rep = (Replicate(),) * self.mesh.ndim
         self.value_specs = {k: to_dtensor_placements(ShardingSpec.parse(v)) for k, v in value_specs.items()}
         self.input_specs = {k: [to_dtensor_placements(ShardingSpec.parse(s)) for s in v] for k, v in input_specs.items()}
         self.inputs = io["inputs"]  # [(kind, name, node)]
         self.outputs = io["outputs"]
-        self.state: dict[str, DTensor] = {}
+        self.stored_node = {(kind, name): node for kind, name, node in self.inputs}
+        self._state_node = {name: node for kind, name, node in self.inputs if kind in ("param", "buffer", "opt_state")}
+        self._state: dict[str, DTensor | torch.Tensor] = {}
+        """Model state by input name: DTensors; plain tensors on one device; local shards when replaying."""
         self.local_only: set[str] = set()
         self.nodes = [(op, name, _target(t) if op == "call_function" else t, a, k, i)
                       for op, name, t, a, k, i in records]
+        self.reductions = {} if self.local else find_reductions(
+            self.nodes, self.value_specs, self.input_specs, GRAD_MARKER_NAME)
+        self.input_specs.update(deferred_wants(self.reductions, self.input_specs))
+        self.buckets = GradBuckets(mesh, self.reductions, bucket_cap_bytes) if self.reductions else None
+        self._constants: dict[str, Any] = {}
+        self.replaying = False
+        self.replay_enabled = REPLAY
+        """Whether the first step learns a local replay (``replay.py``; off by default: replay
+        computed wrong shards for some tensor-parallel plans, e.g. a 'lean' GPT plan on 2
+        devices drifted by 1e-3 in 3 steps, and failed on 2-D meshes)."""
+        """After the first step: operators replayed on local tensors (``replay.py``)."""
+        self.replay: dict[str, StepReplay] = {}
+        self.meta: dict[str, Any] = {}
+        """Name -> ``ValueMeta`` of every value seen while learning."""
+        self.program = self.compile(self.nodes, collect=True)
+        if self.reductions:
+            log.info("%d of the step's gradients reduced in buckets", len(self.reductions))
+
+    def compile(self, records: list[tuple], keep: Iterable[str] = (), collect: bool = False) -> Program:
+        """``records`` as a ``Program``; with ``collect``, bucketed gradients are collected at their first reader."""
+        program = compile_program(records, GRAD_MARKER_NAME, keep)
+        if collect and self.reductions:
+            for name, st in program.first_readers(self.reductions).items():
+                st.before += (name,)
+        return program
 
     # ---------------------------------------------------------------- state
-    def _distribute(self, node: str, value: np.ndarray | torch.Tensor) -> DTensor:
+    def _distribute(self, node: str, value: np.ndarray | torch.Tensor) -> DTensor | torch.Tensor:
         t = torch.as_tensor(value)
+        if self.local:
+            return t
         placements = self.value_specs.get(node, self.rep)
         return distribute_tensor(t, self.mesh, placements, src_data_rank=None)
 
@@ -94,13 +146,46 @@ class StageRunner:
         Values not in ``values`` (state of other stages) are skipped."""
         for kind, name, node in self.inputs:
             if kind in ("param", "buffer", "opt_state") and name in values:
-                self.state[name] = self._distribute(node, values[name])
+                value = self._distribute(node, values[name])
+                self._state[name] = value.to_local() if self.replaying else value
+
+    @property
+    def state(self) -> dict[str, DTensor | torch.Tensor]:
+        """This device's state as DTensors (plain tensors on a one-device mesh), by input name."""
+        if not self.replaying:
+            return self._state
+        return {name: wrap(v, self.meta[self._state_node[name]], self.mesh) for name, v in self._state.items()}
+
+    def has_state(self, name: str) -> bool:
+        return name in self._state
+
+    def state_value(self, name: str):
+        """State ``name`` as the environment holds it (a local tensor when replaying)."""
+        return self._state[name]
+
+    def store(self, kind: str, name: str, node: str, value) -> None:
+        """Keep the step's new value (of graph value ``node``) as state ``name``, placed as the plan stores it."""
+        stored = self.stored_node[(kind, name)]
+        want = self.value_specs.get(stored, self.rep)
+        if self.replaying and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            if self.meta[node].placements == want:
+                self._state[name] = value
+                return
+            value = wrap(value, self.meta[node], self.mesh)
+        value = self._place(value, want)
+        self._state[name] = value.to_local() if self.replaying else value
 
     def gather_state(self) -> dict[str, np.ndarray]:
         """Full values of this runner's state (a collective among its mesh's devices)."""
-        return {name: value.full_tensor().numpy() for name, value in self.state.items()}
+        return {name: (value.full_tensor() if isinstance(value, DTensor) else value).numpy()
+                for name, value in self.state.items()}
 
     # ---------------------------------------------------------------- step
+    @property
+    def learning(self) -> bool:
+        """This step runs every operator through DTensor and records what to replay (``replay.py``)."""
+        return not self.local and not self.replaying
+
     def step(self, batch: dict[str, np.ndarray], scalars: dict[str, float]) -> float:
         env: dict[str, Any] = {}
         for kind, name, node in self.inputs:
@@ -109,21 +194,55 @@ class StageRunner:
             elif kind == "host_scalar":
                 env[node] = self._distribute(node, torch.tensor(scalars[name], dtype=torch.float64))
             else:
-                env[node] = self.state[name]
-        results = self._execute(env)
+                env[node] = self._state[name]
+        self.enter(env)
+        if self.buckets is not None:
+            self.buckets.begin()
+        results = self.run(self.program, env)
+        if self.buckets is not None:
+            self.buckets.finish()
         loss = None
         for (kind, name, node), value in zip(self.outputs, results):
             if kind == "loss":
-                loss = value.full_tensor() if isinstance(value, DTensor) else value
+                loss = self.as_dtensor(node, value)
+                loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
                 continue
-            stored = next(n for k, nm, n in self.inputs if k == kind and nm == name)
-            self.state[name] = self._place(value, self.value_specs.get(stored, self.rep))
+            self.store(kind, name, node, value)
+        self.end_step()
         return float(loss)
 
-    def _place(self, value, placements) -> DTensor:
+    def enter(self, env: dict[str, Any]) -> None:
+        """Values the caller put in ``env``: noted while learning, local tensors when replaying."""
+        if self.learning:
+            for k, v in env.items():
+                self.meta[k] = meta_of(v)
+        elif self.replaying:
+            for k, v in env.items():
+                if isinstance(v, DTensor):
+                    env[k] = v.to_local()
+
+    def end_step(self) -> None:
+        """After the first step: every device agrees on what runs locally, then replays."""
+        if self.learning and self.replay_enabled:
+            safe = agree({n: rp.local_safe for n, rp in self.replay.items()}, self.mesh)
+            for n, rp in self.replay.items():
+                rp.local_safe = safe[n]
+            self.replaying = True
+            self._state = {name: v.to_local() if isinstance(v, DTensor) else v for name, v in self._state.items()}
+            log.info("replaying %d of %d operators on local tensors", sum(safe.values()), len(safe))
+
+    def as_dtensor(self, name: str, value):
+        """``value`` of ``name`` as the DTensor it stands for (a replayed value is a local tensor)."""
+        if self.replaying and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            return wrap(value, self.meta[name], self.mesh)
+        return value
+
+    def _place(self, value, placements):
+        if self.local:
+            return value.to_local() if isinstance(value, DTensor) else value
         if not isinstance(value, DTensor):
             value = DTensor.from_local(torch.as_tensor(value), self.mesh, self.rep, run_check=False)
-        if tuple(value.placements) != tuple(placements):
+        if value.placements != placements:
             if any(p.is_partial() and p != q for p, q in zip(placements, value.placements)):
                 # Turning a value into a partial sum is DTensor-internal: its
                 # dispatcher does it when the operator's rule asks for it.
@@ -131,41 +250,132 @@ class StageRunner:
             value = value.redistribute(self.mesh, placements)
         return value
 
-    def _execute(self, env: dict[str, Any]) -> list:
-        return self.run_records(self.nodes, env)
+    def run(self, program: Program, env: dict[str, Any],
+            on_grad: Callable[[str, Any, Any], bool] | None = None) -> list | None:
+        """Run ``program``, reading and writing ``env``; the output's values if reached.
 
-    def run_records(self, records, env: dict[str, Any]) -> list | None:
-        """Run ``records`` in order, reading and writing ``env``; the output's values if reached."""
-        for op, name, target, args, kwargs, inputs in records:
-            if op == "placeholder":
-                continue
-            if op == "output":
-                return [env[a] if isinstance(a, Ref) else a for a in pytree.tree_leaves(args[0])]
-            if op == "get_attr":
-                env[name] = self._place(args[0], self.rep)
-                continue
-            env[name] = self._run_node(name, target, args, kwargs, inputs, env)
+        ``on_grad(name, value, meta)`` receives every gradient at its marker (a pipeline
+        accumulates microbatches; ``meta``: its ``ValueMeta``, None on one device); it
+        returns whether it took the value (then it is not put in ``env``). Without it,
+        bucketed gradients go to ``self.buckets``."""
+        learning = self.learning
+        call = (self._call_local if self.local else self._call_replay if self.replaying
+                else self._call_learn if self.replay_enabled else self._call_dist)
+        for st in program.steps:
+            kind = st.kind
+            if st.before:
+                self._collect(st.before, env)
+            if kind == CALL:
+                env[st.name] = call(st, env)
+            elif kind == GETITEM:
+                env[st.name] = env[st.inputs[0]][st.target]
+            elif kind == MARKER:
+                self._marker(st.name, st.inputs[0], env, on_grad)
+            elif kind == GET_ATTR:
+                env[st.name] = self._constant(st)
+            elif kind == OUTPUT:  # local tensors when replaying: ``as_dtensor`` / ``store`` wrap them
+                return [env[a] if isinstance(a, Ref) else a for a in st.target]
+            if learning and kind != MARKER and st.name in env:
+                self.meta[st.name] = meta_of(env[st.name])
+            for name in st.free:
+                env.pop(name, None)
         return None
 
-    def _run_node(self, name, target, args, kwargs, inputs, env: dict[str, Any]):
-        if target is operator.getitem:
-            return env[args[0]][args[1]]
-        if str(target) == GRAD_MARKER_NAME:
-            return env[args[0]]
-        tensor_inputs = [a for a in inputs if isinstance(env[a], torch.Tensor)]
-        specs = self.input_specs.get(name)
-        placed = {}
-        for j, a in enumerate(tensor_inputs):
-            want = specs[j] if specs is not None and j < len(specs) else self.rep
-            placed[a] = self._place(env[a], want)
-        lookup = {**{a: env[a] for a in inputs}, **placed}
-        args, kwargs = _resolve((args, kwargs), lookup)
-        if name not in self.local_only:
+    def run_records(self, records: list[tuple], env: dict[str, Any]) -> list | None:
+        """Run uncompiled ``records`` once (compiles them first; ``run`` is the fast path)."""
+        return self.run(self.compile(records, collect=True), env)
+
+    def _marker(self, name: str, src: str, env: dict, on_grad) -> None:
+        value = env[src]
+        meta = None if self.local else self.meta.get(src)  # the gradient's placements, as produced
+        if self.learning:
+            meta = self.meta[name] = meta_of(value)
+        if on_grad is not None:
+            if not on_grad(name, value, meta):
+                env[name] = value
+            return
+        if name in self.reductions:
+            local = value if self.replaying else value.to_local()
+            if self.buckets.put(name, local, meta.placements, meta.shape):
+                return
+        env[name] = value
+
+    def _collect(self, names: tuple[str, ...], env: dict) -> None:
+        for name in names:
+            if self.buckets.has(name):
+                value = self.buckets.take(name)
+                if self.learning:
+                    self.meta[name] = meta_of(value)
+                env[name] = value.to_local() if self.replaying else value
+
+    def _constant(self, st):
+        if self.local or self.replaying:
+            return st.target
+        value = self._constants.get(st.name)
+        if value is None:
+            value = self._constants[st.name] = self._place(st.target, self.rep)
+        return value
+
+    # ---------------------------------------------------------------- one operator
+    def _call_local(self, st, env: dict[str, Any]):
+        args, kwargs = st.resolve([env[a] for a in st.inputs])
+        return st.target(*args, **kwargs)
+
+    def _placed_inputs(self, st, env: dict[str, Any]) -> tuple[list, list]:
+        """Inputs redistributed to the plan's input specs, and their ``InputMeta`` (None: not a tensor)."""
+        specs = self.input_specs.get(st.name)
+        n_specs = len(specs) if specs is not None else 0
+        values, metas, j = [], [], 0
+        for a in st.inputs:
+            v = env[a]
+            if isinstance(v, torch.Tensor):
+                want = specs[j] if j < n_specs else self.rep
+                j += 1
+                placed = v if isinstance(v, DTensor) and v.placements == want else self._place(v, want)
+                metas.append(InputMeta(meta_of(v), meta_of(placed) if placed is not v else None))
+                v = placed
+            else:
+                metas.append(None)
+            values.append(v)
+        return values, metas
+
+    def _call_dist(self, st, env: dict[str, Any]):
+        values, _ = self._placed_inputs(st, env)
+        return self._call_dtensor(st, st.resolve(values))
+
+    def _call_learn(self, st, env: dict[str, Any]):
+        values, metas = self._placed_inputs(st, env)
+        with CommDebugMode() as comm:
+            out = self._call_dtensor(st, st.resolve(values))
+        safe, size = check_local(st, values, out, comm.get_total_counts())
+        rp = StepReplay(tuple(metas), safe, size)
+        if st.name in self.replay:
+            self.replay[st.name].merge(rp)
+        else:
+            self.replay[st.name] = rp
+        return out
+
+    def _call_replay(self, st, env: dict[str, Any]):
+        rp = self.replay[st.name]
+        values = [env[a] for a in st.inputs]
+        for i, have, placements in rp.redistribute:
+            values[i] = wrap(values[i], have, self.mesh).redistribute(self.mesh, placements).to_local()
+        if rp.local_safe:
+            args, kwargs = replay_args(st, rp, values)
+            return st.target(*args, **kwargs)
+        for i, m in enumerate(rp.inputs):
+            if m is not None:
+                values[i] = wrap(values[i], m.placed or m.have, self.mesh)
+        return to_local(self._call_dtensor(st, st.resolve(values)))
+
+    def _call_dtensor(self, st, resolved: tuple[tuple, dict]):
+        args, kwargs = resolved
+        if st.name not in self.local_only:
             try:
-                return target(*args, **kwargs)
+                return st.target(*args, **kwargs)
             except NotImplementedError:  # no DTensor rule: the plan kept it replicated
-                self.local_only.add(name)
-        return self._run_replicated(target, args, kwargs)
+                self.local_only.add(st.name)
+        return self._run_replicated(st.target, args, kwargs)
 
     def _run_replicated(self, target, args, kwargs):
         def full(v):

@@ -12,7 +12,8 @@ with the phase that produces it and the first phase that reads it. The
 pipeline schedule needs forward values to flow to later stages and backward
 values to earlier ones; anything else (a weight tied across stages, a global
 gradient-norm clip spanning stages) is refused with a ``PlanError`` naming the
-value, because the runtime cannot yet execute it.
+value, because the runtime cannot yet execute it. Graph constants (``get_attr``
+nodes) belong to no stage and never cross: each stage reading one makes its own.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def partition(graph, stage_of: dict[str, int], num_stages: int) -> tuple[list[St
     """Per-stage programs and the crossings, from each node's stage."""
     order = [n.name for n in graph.gm.graph.nodes if n.op == "call_function"]
     inputs_of = {s.node for s in graph.inputs}
+    constants = {n.name for n in graph.gm.graph.nodes if n.op == "get_attr"}
     crossings: dict[tuple[str, int], Crossing] = {}
     sources: list[set[str]] = [set() for _ in range(num_stages)]
     lists = [{"forward": [], "backward": [], "update": []} for _ in range(num_stages)]
@@ -75,6 +77,8 @@ def partition(graph, stage_of: dict[str, int], num_stages: int) -> tuple[list[St
         t, consumed = stage_of[name], graph.nodes[name].phase
         lists[t][consumed].append(name)
         for u in graph.nodes[name].inputs:
+            if u in constants:  # a get_attr constant: every stage makes its own (pipeline.PipelineRunner)
+                continue
             if u in inputs_of:
                 sources[t].add(u)
                 continue

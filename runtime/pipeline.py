@@ -7,18 +7,35 @@ produced (``comm.py``: exact tiles, tagged, non-blocking sends). Gradients
 (the ``alpa.grad`` values) are summed over microbatches and divided by their
 number, which equals the full-batch gradient of a mean loss; the update runs
 once on the result. The loss is the mean of the microbatch losses.
+
+Memory: each phase is a compiled ``Program`` whose values are freed after their
+last reader; a forward value survives only if this stage's backward reads it,
+it is sent to another stage (until sent), it is the loss, or it is a step
+output. Sent buffers are released as soon as their send completes.
+
+Partial gradients the plan reduces (``grad_buckets.py``) are summed over the
+microbatches as partial sums and reduced once, in buckets, during the last
+microbatch's backward; the update's first reader of each waits for its bucket.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
+from intra_ilp.spec import ShardingSpec
+from intra_ilp.strategies import to_dtensor_placements
+
 from . import comm
-from .interpreter import GRAD_MARKER_NAME, StageRunner
+from .interpreter import StageRunner
+from .program import MARKER
+from .replay import ValueMeta, meta_of, wrap
+
+PHASES = ("forward", "backward", "update")
 
 
 class PipelineRunner:
@@ -29,9 +46,6 @@ class PipelineRunner:
                  gather: list[bool] | None = None):
         self.runner = runner
         self.stage = stage
-        by_name = {r[1]: r for r in runner.nodes}
-        self.phase_records = {ph: [by_name[n] for n in program[ph]] for ph in ("forward", "backward", "update")}
-        self.markers = [r[1] for r in self.phase_records["backward"] if str(r[2]) == GRAD_MARKER_NAME]
         self.crossings = list(enumerate(crossings))
         self.meshes = meshes  # MeshPlacement of every stage
         self.specs = specs  # value_specs (strings) of every stage
@@ -40,6 +54,32 @@ class PipelineRunner:
         self.loss_node = loss_node if loss_node in program["forward"] else None
         self.gather = gather or [False] * len(crossings)
         """Per crossing: resharded with Alpa's local all-gather in the destination mesh."""
+        self._send_placements = {c.value: to_dtensor_placements(ShardingSpec.parse(self._src_spec(c)))
+                                 for _, c in self.crossings if c.src == stage}
+        self._compile(program)
+
+    def _compile(self, program: dict) -> None:
+        """Each phase's ``Program``, with what must outlive it (see the module docstring)."""
+        r = self.runner
+        by_name = {rec[1]: rec for rec in r.nodes}
+        records = {ph: [by_name[n] for n in program[ph]] for ph in PHASES}
+        outputs = {node for _, _, node in r.outputs}
+        sent = {ph: {c.value for _, c in self.crossings if c.src == self.stage and c.produced == ph}
+                for ph in ("forward", "backward")}
+        backward = r.compile(records["backward"])
+        backward_reads = backward.reads
+        loss = {self.loss_node} if self.loss_node else set()
+        self.programs = {
+            "forward": r.compile(records["forward"], backward_reads | sent["forward"] | loss | outputs),
+            "backward": r.compile(records["backward"], sent["backward"] | outputs),
+            "update": r.compile(records["update"], outputs, collect=True),
+        }
+        self.after = {"forward": (sent["forward"] | loss) - backward_reads - outputs,
+                      "backward": sent["backward"] - outputs}
+        """Values kept past a phase only to be sent or read as the loss: dropped after that."""
+        read_in_backward = {a for st in backward.steps for a in st.inputs}
+        self.markers = [st.name for st in backward.steps if st.kind == MARKER]
+        self._keep_marker = {m for m in self.markers if m in read_in_backward}
 
     # ------------------------------------------------------------------ comm
     def _src_spec(self, c) -> str:
@@ -53,19 +93,20 @@ class PipelineRunner:
         for i, c in self.crossings:
             if c.dst == self.stage and c.consumed == phase and c.value not in env:
                 shape, dtype = self.value_meta[c.value]
-                env[c.value] = comm.recv(shape, getattr(torch, dtype), self._src_spec(c), self._dst_spec(c),
-                                         self.meshes[c.src], self.meshes[c.dst], self.runner.mesh,
-                                         comm.make_tag(i, mb), self.gather[i])
+                value = comm.recv(shape, getattr(torch, dtype), self._src_spec(c), self._dst_spec(c),
+                                  self.meshes[c.src], self.meshes[c.dst], self.runner.mesh,
+                                  comm.make_tag(i, mb), self.gather[i])
+                r = self.runner
+                if r.learning:
+                    r.meta[c.value] = meta_of(value)
+                env[c.value] = value.to_local() if r.local or r.replaying else value
 
     def _send(self, env: dict, mb: int, phase: str) -> list:
         works = []
         for i, c in self.crossings:
             if c.src == self.stage and c.produced == phase:
-                from intra_ilp.spec import ShardingSpec
-                from intra_ilp.strategies import to_dtensor_placements
-
-                want = to_dtensor_placements(ShardingSpec.parse(self._src_spec(c)))
-                value = self.runner._place(env[c.value], want)
+                r = self.runner
+                value = r._place(r.as_dtensor(c.value, env[c.value]), self._send_placements[c.value])
                 works += comm.send(value, self._dst_spec(c), self.meshes[c.src], self.meshes[c.dst],
                                    comm.make_tag(i, mb), self.gather[i])
         return works
@@ -80,14 +121,33 @@ class PipelineRunner:
             elif kind == "batch":
                 if batch is not None and name in batch:
                     env[node] = r._distribute(node, batch[name])
-            elif name in r.state:
-                env[node] = r.state[name]
+            elif r.has_state(name):
+                env[node] = r.state_value(name)
+        for st in self._constant_steps():
+            env[st.name] = r._constant(st)
+        r.enter(env)
         return env
+
+    def _constant_steps(self) -> list:
+        """GET_ATTR steps of the graph constants (``get_attr`` records) this stage's programs read.
+
+        ``partition`` gives constants no stage and the phase programs hold only operators, so
+        every environment starts with them, as the one-stage engine's program makes them."""
+        steps = getattr(self, "_const_steps", None)
+        if steps is None:
+            r, reads = self.runner, set().union(*(p.reads for p in self.programs.values()))
+            steps = self._const_steps = r.compile([rec for rec in r.nodes
+                                                   if rec[0] == "get_attr" and rec[1] in reads]).steps
+        return steps
 
     def step(self, microbatches: list[dict], scalars: dict) -> float | None:
         r, n_mb = self.runner, len(microbatches)
         envs: dict[int, dict] = {}
-        grads: dict[str, DTensor] = {}
+        self._grads: dict[str, Any] = {}
+        self._partials: dict[str, torch.Tensor] = {}
+        last_mb = [mb for kind, mb in self.order if kind == "B"][-1]
+        if r.buckets is not None:
+            r.buckets.begin(scale=n_mb)
         works, losses, last = [], [], None
         for kind, mb in self.order:
             if kind == "F":
@@ -96,32 +156,69 @@ class PipelineRunner:
             else:
                 env, phase = envs.pop(mb), "backward"
             self._receive(env, mb, phase)
-            r.run_records(self.phase_records[phase], env)
+            final = mb == last_mb
+            r.run(self.programs[phase], env, None if phase == "forward" else
+                  (lambda name, value, meta: self._grad(name, value, meta, final)))
             works += self._send(env, mb, phase)
             if phase == "forward" and self.loss_node is not None:
-                losses.append(float(_full(env[self.loss_node])))
+                losses.append(float(_full(r.as_dtensor(self.loss_node, env[self.loss_node]))))
+            for name in self.after[phase]:
+                env.pop(name, None)
             if phase == "backward":
-                for m in self.markers:
-                    grads[m] = env[m] if m not in grads else grads[m] + env[m]
                 last = env
+            works = [w for w in works if not w[0].is_completed()]  # sent: their buffers can go
         env = self._base_env(scalars, None)
-        env.update({m: g / n_mb if n_mb > 1 else g for m, g in grads.items()})
-        r.run_records(self.phase_records["update"], env)
+        grads = {m: g / n_mb if n_mb > 1 else g for m, g in self._grads.items()}
+        r.enter(grads)
+        env.update(grads)
+        self._grads = {}
+        r.run(self.programs["update"], env)
+        if r.buckets is not None:
+            r.buckets.finish()
         self._store(env, last or {})
         for work, _ in works:
             work.wait()
+        r.end_step()
         return float(np.mean(losses)) if losses else None
+
+    def _grad(self, name: str, value, meta, final: bool) -> bool:
+        """Sum gradient ``name`` over microbatches; a bucketed one goes to its bucket once final.
+
+        ``meta``: the gradient's ``ValueMeta`` (None on one device). Returns whether the
+        value was taken (else the backward still reads it)."""
+        r = self.runner
+        if name not in r.reductions:
+            if r.replaying and any(p.is_partial() for p in meta.placements):
+                value = wrap(value, meta, r.mesh)  # partial sums: the same DTensor arithmetic as when learning
+            prev = self._grads.get(name)
+            self._grads[name] = value if prev is None else prev + value
+            return name not in self._keep_marker
+        local = value if r.replaying else value.to_local()  # this device's summand of a partial sum
+        prev = self._partials.pop(name, None)
+        total = local if prev is None else prev + local
+        if not final:
+            self._partials[name] = total
+        elif not r.buckets.put(name, total, meta.placements, meta.shape):
+            # not as planned: DTensor reduces it in the update
+            self._grads[name] = _as_dtensor(total, meta, r.mesh)
+        return name not in self._keep_marker
 
     def _store(self, update_env: dict, last_env: dict) -> None:
         r = self.runner
         for kind, name, node in r.outputs:
-            if kind == "loss" or name not in r.state:
+            if kind == "loss" or not r.has_state(name):
                 continue
             value = update_env.get(node, last_env.get(node))
             if value is None:
                 continue  # unchanged (the output is the stored input itself)
-            stored = next(n for k, nm, n in r.inputs if k == kind and nm == name)
-            r.state[name] = r._place(value, r.value_specs.get(stored, r.rep))
+            r.store(kind, name, node, value)
+
+
+def _as_dtensor(local: torch.Tensor, meta: ValueMeta, mesh) -> DTensor:
+    local = local.contiguous()
+    shape = meta.shape
+    stride = tuple(math.prod(shape[k + 1:]) for k in range(len(shape)))
+    return DTensor.from_local(local, mesh, meta.placements, run_check=False, shape=shape, stride=stride)
 
 
 def _full(value):

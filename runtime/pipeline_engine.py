@@ -19,7 +19,7 @@ import numpy as np
 
 from alpa_torch.errors import BatchSplitError, WorkerError
 
-from .engine import stage_failure
+from .engine import keep_freed_memory, stage_failure
 from .group import WorkerGroup
 from .interpreter import serialize_graph
 from .partition import partition
@@ -48,6 +48,7 @@ def _psetup(state: dict, records_bytes: bytes, setup: dict, stage: int) -> bool:
     from .interpreter import StageRunner
     from .pipeline import PipelineRunner
 
+    keep_freed_memory()
     records = pickle.loads(records_bytes)
     meshes = [DeviceMesh("cpu", torch.tensor(r).view(*s)) for r, s in zip(setup["ranks"], setup["shapes"])]
     spec = setup["shardings"][stage]
