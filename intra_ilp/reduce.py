@@ -144,6 +144,10 @@ class _Work:
                 self.root_rows[r].add(t)
         self.keep = {v: np.arange(k) for v, k in enumerate(inst.num_strategies)}
         self.frozen_tables = False
+        self.undominated: dict[int, list[np.ndarray]] = {}
+        """group -> its feature arrays when ``_drop_dominated`` last found nothing to drop."""
+        self.not_separable: dict[int, np.ndarray] = {}
+        """id -> edge matrix (or its transpose) ``_fold_separable`` found not separable."""
 
     def k(self, r: int) -> int:
         return len(self.cost[r])
@@ -250,8 +254,11 @@ def _drop_dominated(w: _Work, r: int) -> bool:
     """Reduction (c) on group r. True if a strategy was dropped."""
     if w.k(r) == 1:
         return False
-    feats = [w.cost[r][:, None]] + list(w.adj[r].values()) + [w.rows[t][r][:, None] for t in w.root_rows[r]]
-    f = np.hstack(feats)
+    parts = [w.cost[r]] + list(w.adj[r].values()) + [w.rows[t][r] for t in w.root_rows[r]]
+    seen = w.undominated.get(r)
+    if seen is not None and len(seen) == len(parts) and all(a is b for a, b in zip(seen, parts)):
+        return False  # the same arrays as when nothing was dominated
+    f = np.hstack([p if p.ndim == 2 else p[:, None] for p in parts])
     ge = np.all(f[:, None, :] >= f[None, :, :], axis=2)  # ge[s, t]: s no better than t
     eq = ge & ge.T
     idx = np.arange(w.k(r))
@@ -261,6 +268,7 @@ def _drop_dominated(w: _Work, r: int) -> bool:
     if bad.any():
         w.restrict(r, np.nonzero(~bad)[0])
         return True
+    w.undominated[r] = parts
     return False
 
 
@@ -268,12 +276,18 @@ def _fold_separable(w: _Work, r: int) -> bool:
     """Reduction (d): fold edges ``M[a, b] = f(a) + g(b)`` of group r into node costs."""
     changed = False
     for x, m in list(w.adj[r].items()):
+        if w.not_separable.get(id(m)) is m:  # checked before, unchanged since
+            continue
         sep = m[:, :1] + m[:1, :] - m[0, 0]
-        if np.allclose(m, sep, rtol=0.0, atol=1e-12 * max(1.0, float(np.abs(m).max()))):
+        # np.allclose(m, sep, rtol=0, atol=tol) without its overhead (finite values)
+        if float(np.abs(m - sep).max()) <= 1e-12 * max(1.0, float(np.abs(m).max())):
             w.drop_edge(r, x)
             w.cost[r] = w.cost[r] + m[:, 0]
             w.cost[x] = w.cost[x] + (m[0, :] - m[0, 0])
             changed = True
+        else:
+            rev = w.adj[x][r]  # the stored transpose: separable iff m is
+            w.not_separable[id(m)], w.not_separable[id(rev)] = m, rev
     return changed
 
 
