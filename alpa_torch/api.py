@@ -43,10 +43,10 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from .capture import capture
+from .capture import capture, check_precision
 from .cluster import Cluster
 from .errors import BatchSplitError, CheckpointError, PlanError, WorkerError
-from .optim import FunctionalOptimizer
+from .optim import FunctionalOptimizer, LossScaler
 from .plan_cache import PlanCache, cached_plan
 
 log = logging.getLogger(__name__)
@@ -88,16 +88,21 @@ class ParallelStep:
                  num_microbatches: int | None = None, num_stages: int | None = None, num_layers: int | None = None,
                  pipeline: bool = True, sharding: bool = True, memory_budget_bytes: float | None = None,
                  schedule: str = "1f1b", progress: Callable[[str], None] | None = None,
+                 precision: str = "fp32",
                  plan_cache: bool | str | None = None, max_restarts: int = 0, checkpoint_dir: str | None = None,
-                 checkpoint_every: int = 1):
+                 checkpoint_every: int = 1, checkpointing="auto"):
         """See ``parallelize``."""
         _check_reliability_options(max_restarts, checkpoint_dir, checkpoint_every)
         self.train_step = train_step
         self.cluster = cluster or Cluster.local(1, 2)
         self.forced_plan = plan
+        self.precision = check_precision(precision)
         self.options = dict(num_microbatches=num_microbatches, num_stages=num_stages, num_layers=num_layers,
                             pipeline=pipeline, sharding=sharding, memory_budget_bytes=memory_budget_bytes,
-                            schedule=schedule, progress=progress)
+                            schedule=schedule, progress=progress, checkpointing=checkpointing)
+        from stage_dp.checkpointing import Checkpointing
+
+        Checkpointing.parse(checkpointing)  # a bad value fails here, not after capture
         self.plan_cache = PlanCache.from_option(plan_cache)
         self.max_restarts, self.checkpoint_every = max_restarts, checkpoint_every
         self.checkpoint_dir = checkpoint_dir
@@ -113,6 +118,8 @@ class ParallelStep:
         self._functional: FunctionalOptimizer | None = None
         self._step = 0
         self._pending: tuple | None = None  # (path, manifest) of a load() before the first call
+        self._recomputed: dict[str, str] = {}
+        """Activation checkpointing: copy node -> original node in ``run_graph`` (``remat.py``)."""
 
     # ------------------------------------------------------------------ call
     def __call__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
@@ -131,7 +138,7 @@ class ParallelStep:
         """Capture and plan without running anything (``self.plan``, ``self.graph``)."""
         from stage_dp.search import plan as search
 
-        self.graph = capture(self.train_step, model, optimizer, batch)
+        self.graph = capture(self.train_step, model, optimizer, batch, precision=self.precision)
         opts = dict(self.options)
         if couples_batch(self.graph):
             if opts["num_microbatches"] not in (None, 1):
@@ -140,10 +147,19 @@ class ParallelStep:
                     "its batch statistics; use num_microbatches=1 (or GroupNorm/LayerNorm)"
                 )
             opts["num_microbatches"] = 1
+        fp16_error = ("precision='fp16' runs on one stage without microbatches (the loss scale and the overflow "
+                      "check are shared by every parameter, which the pipeline runtime cannot split yet); "
+                      "use num_microbatches=1 and one stage, or precision='bf16'")
+        if self.precision == "fp16":
+            if opts["num_microbatches"] not in (None, 1) or opts["num_stages"] not in (None, 1):
+                raise PlanError(fp16_error)
+            opts["pipeline"], opts["num_microbatches"] = False, 1
         if self.forced_plan is not None:
             self.plan, self.plan_source = self._load_plan(self.forced_plan), "forced"
         else:
             self.plan, self.plan_source = cached_plan(self.plan_cache, self.graph, self.cluster, opts, search)
+        if self.precision == "fp16" and (len(self.plan.stages) > 1 or self.plan.num_microbatches > 1):
+            raise PlanError(fp16_error)
         log.info("plan (%s):\n%s", self.plan_source, self.plan.table())
         return self.plan
 
@@ -157,7 +173,8 @@ class ParallelStep:
     def _start(self, model, optimizer, batch) -> None:
         t0 = time.perf_counter()
         self.make_plan(model, optimizer, batch)
-        self._functional = FunctionalOptimizer(optimizer, {id(p): n for n, p in model.named_parameters()})
+        self._functional = FunctionalOptimizer(optimizer, {id(p): n for n, p in model.named_parameters()},
+                                               device_step=self.precision == "fp16")
         self._step = self._functional.step_count()
         self.run_graph = self._runtime_graph(model, optimizer, batch)
         if self._pending is not None:
@@ -215,11 +232,11 @@ class ParallelStep:
         self._step = manifest["step"]
 
     def _runtime_graph(self, model, optimizer, batch):
-        """The graph the workers run: the step on one microbatch."""
+        """The graph the workers run: the step on one microbatch (before activation checkpointing)."""
         b = self.plan.num_microbatches
         if b == 1:
             return self.graph
-        graph = capture(self.train_step, model, optimizer, _microbatch(batch, b))
+        graph = capture(self.train_step, model, optimizer, _microbatch(batch, b), precision=self.precision)
         if set(graph.nodes) != set(self.graph.nodes):
             raise PlanError(
                 "the step's graph on a microbatch differs from the full-batch graph (shape-dependent "
@@ -228,18 +245,8 @@ class ParallelStep:
         return graph
 
     def _deploy(self):
-        from runtime.engine import Engine
-        from runtime.partition import stage_of_nodes
-        from runtime.pipeline_engine import PipelineEngine, StageDeployment
-
-        plan = self.plan
-        if len(plan.stages) == 1 and plan.num_microbatches == 1:
-            return Engine(self.group, self.run_graph, plan.stages[0].sharding)
-        ranges = [(s.layer_start, s.layer_end) for s in plan.stages]
-        stage_of = stage_of_nodes(self.run_graph, plan.layer_of, ranges)
-        stages = [StageDeployment(s.device_ids, s.logical_mesh, s.sharding) for s in plan.stages]
-        return PipelineEngine(self.group, self.run_graph, stages, stage_of, plan.num_microbatches, plan.schedule,
-                              cluster=self.cluster)
+        self.engine, self._recomputed = deploy_plan(self.group, self.plan, self.run_graph, self.cluster)
+        return self.engine
 
     def _initial_state(self, model) -> dict[str, torch.Tensor]:
         params = dict(model.named_parameters())
@@ -248,6 +255,8 @@ class ParallelStep:
         for name in self._functional.names:
             for key, v in self._functional.initial_state(name, params[name]).items():
                 values[f"{name}.{key}"] = v
+        if self._functional.device_step:  # fp16 loss scaling state
+            values.update(LossScaler.initial_state(self._functional.step_count()))
         return values
 
     def _batch_leaves(self, batch) -> dict:
@@ -305,6 +314,7 @@ class ParallelStep:
     def _tensor_table(self) -> dict[str, dict]:
         """Manifest ``tensors``: kind, shape, dtype (and param, key of optimizer state)."""
         owner = {f"{n}.{k}": (n, k) for n in self._functional.names for k in self._functional.state_names(n)}
+        owner.update({n: ("<amp>", n) for n in LossScaler.STATE})  # fp16 loss scaling: no parameter's state
         table = {}
         for s in self.graph.inputs:
             if s.kind in ("param", "buffer", "opt_state"):
@@ -365,7 +375,8 @@ class ParallelStep:
             states = {n: {k: sd["optimizer"][f"{n}.{k}"] for k in self._functional.state_names(n)}
                       for n in self._functional.names}
             self._functional.optimizer = optimizer
-            self._functional.write_back(states, self._step)
+            step = int(sd["optimizer"]["amp.step"]) if self._functional.device_step else self._step  # skips not counted
+            self._functional.write_back(states, step)
 
     def shutdown(self) -> None:
         if self.group is not None:
@@ -377,6 +388,31 @@ class ParallelStep:
             self.shutdown()
         except Exception:  # noqa: BLE001 - interpreter teardown
             pass
+
+
+def deploy_plan(group, plan, graph, cluster):
+    """Deploy ``plan`` on the workers of ``group``: ``(engine, copies)``.
+
+    ``graph`` is the step on one microbatch (``ParallelStep._runtime_graph``). The
+    layers the plan recomputes are rewritten first (``remat.rematerialize``); the
+    copies take their original's sharding, layer and stage. ``copies``: copy node ->
+    original node (empty without activation checkpointing). One stage without
+    microbatches runs on ``Engine``, anything else on ``PipelineEngine``."""
+    from runtime.engine import Engine
+    from runtime.partition import stage_of_nodes
+    from runtime.pipeline_engine import PipelineEngine, StageDeployment
+
+    from .remat import extend_layer_of, extend_sharding, rematerialize
+
+    graph, copies = rematerialize(graph, plan.layer_of, plan.recompute_layers)
+    if len(plan.stages) == 1 and plan.num_microbatches == 1:
+        return Engine(group, graph, extend_sharding(plan.stages[0].sharding, copies)), copies
+    ranges = [(s.layer_start, s.layer_end) for s in plan.stages]
+    stage_of = stage_of_nodes(graph, extend_layer_of(plan.layer_of, copies), ranges)
+    stages = [StageDeployment(s.device_ids, s.logical_mesh, extend_sharding(s.sharding, copies))
+              for s in plan.stages]
+    engine = PipelineEngine(group, graph, stages, stage_of, plan.num_microbatches, plan.schedule, cluster=cluster)
+    return engine, copies
 
 
 def load_checkpoint(directory: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -414,8 +450,20 @@ def parallelize(train_step: Callable | None = None, *, cluster: Cluster | None =
     ``sharding=False`` (data parallel and pipeline only), ``memory_budget_bytes``
     per device, ``schedule`` ('1f1b' or 'gpipe'), ``progress`` (a callable
     receiving planner messages), ``plan_cache`` (False, or a directory; default
-    ``$ALPA_TORCH_CACHE`` or ``~/.cache/alpa_torch/plans``). The default cluster is
-    ``Cluster.local(1, 2)``.
+    ``$ALPA_TORCH_CACHE`` or ``~/.cache/alpa_torch/plans``), ``checkpointing``
+    (activation checkpointing: 'auto' recomputes layers only where a stage would
+    not fit otherwise or where that makes the plan faster, 'none', 'full' = every
+    layer, or a number of bytes per device the stages must fit in). The default
+    cluster is ``Cluster.local(1, 2)``.
+
+    Mixed precision: ``precision`` is 'fp32' (default), 'bf16' or 'fp16'. With 'bf16' /
+    'fp16' the step's forward and loss run under ``torch.autocast`` (matmuls in the low
+    precision, priced at the device's bf16/fp16 peak) while parameters, gradients and
+    optimizer state stay fp32 (master weights). 'fp16' adds dynamic loss scaling like
+    ``torch.amp.GradScaler`` inside the graph (scale 2**16, halved and the update
+    skipped on an inf/NaN gradient, doubled after 2000 good steps; its state is in
+    ``state_dict()['optimizer']`` as ``amp.*``) and runs on one stage without
+    microbatches.
 
     Reliability: ``checkpoint_dir`` (a checkpoint is written there at start and
     every ``checkpoint_every`` steps, default 1) and ``max_restarts`` (on a worker

@@ -16,6 +16,17 @@ captured on a laptop; a model built on the ``meta`` device works too):
    statistics, ``clip_grad_norm_``'s scaling, ``x += y``) become pure ops whose
    results are graph outputs.
 
+Mixed precision (``precision='bf16'`` or ``'fp16'``): the user's step runs
+under ``torch.autocast`` while it is traced, so the graph holds autocast's own
+casts (weights cast to bf16/fp16 before each matmul, the loss in fp32) as plain
+``_to_copy`` operators. ``loss.backward()`` and ``optimizer.step()`` run with
+autocast off, as in eager code that autocasts only the forward: gradients of
+the fp32 parameters are fp32, and parameters and optimizer state stay fp32
+(master weights). With fp16 the loss is scaled before backward and each
+gradient unscaled right after it (so a clip between backward and step sees
+true gradients), and the update is skipped in the graph when a gradient is not
+finite (``optim.LossScaler``: its state is optimizer state named ``amp.*``).
+
 What this module does not do: decide shardings or stages (``intra_ilp``,
 ``stage_dp``), or run anything distributed (``runtime``).
 """
@@ -23,6 +34,7 @@ What this module does not do: decide shardings or stages (``intra_ilp``,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -43,7 +55,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
 from . import optim as fopt
-from .errors import CaptureError, DataDependentControlFlowError, LossError, UnsupportedOperatorError
+from .errors import CaptureError, DataDependentControlFlowError, LossError, PlanError, UnsupportedOperatorError
 from .graph import IOSpec, OpGraph
 from .graph_facts import build_nodes
 
@@ -78,12 +90,70 @@ def _batch_norm_as_legit(input, weight, bias, running_mean, running_var, trainin
 
 _DECOMPOSITIONS = {aten.native_batch_norm.default: _batch_norm_as_legit}
 
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""``precision`` values: the autocast compute dtype (None: no autocast)."""
+
+
+def check_precision(precision: Any) -> str:
+    """``precision`` if it is one of ``PRECISIONS``, else a ``PlanError`` naming them."""
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise PlanError(
+            f"precision={precision!r} is not supported; use one of 'fp32' (the default), 'bf16' (bfloat16 "
+            "compute, fp32 master weights) or 'fp16' (float16 compute with dynamic loss scaling, fp32 master "
+            "weights)"
+        )
+    return precision
+
+
+class _Amp:
+    """Mixed precision while tracing (module docstring): the autocast context of the
+    user's step, autocast off for backward and the optimizer, and with fp16 the loss
+    scaler: ``state`` (traced ``LossScaler.STATE`` tensors), ``found_inf`` after backward
+    and ``new_state`` after ``optimizer.step()``."""
+
+    def __init__(self, precision: str, device_type: str, state: dict[str, torch.Tensor] | None):
+        self.dtype = PRECISIONS[precision]
+        self.device_type = device_type
+        self.state = state
+        self.found_inf: torch.Tensor | None = None
+        self.new_state: dict[str, torch.Tensor] | None = None
+
+    @property
+    def scaling(self) -> bool:
+        return self.state is not None
+
+    def autocast(self):
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def off(self):
+        return torch.autocast(self.device_type, enabled=False)
+
+    def scale_loss(self, loss: torch.Tensor, leaves: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``loss * scale``; gradients already accumulated (an earlier backward) are scaled
+        back up too, so they add up scaled, as with ``GradScaler`` (exact: a power of 2)."""
+        scale = self.state["amp.loss_scale"]
+        for leaf in leaves.values():
+            if leaf.grad is not None:
+                leaf.grad = leaf.grad * scale
+        return loss * scale
+
+    def unscale(self, leaves: dict[str, torch.Tensor]) -> None:
+        """Divide every gradient by the scale (``GradScaler.unscale_``) and note whether one is not finite."""
+        scale = self.state["amp.loss_scale"]
+        grads = []
+        for leaf in leaves.values():
+            if leaf.grad is not None:
+                leaf.grad = leaf.grad / scale
+                grads.append(leaf.grad)
+        self.found_inf = fopt.LossScaler.found_inf(grads)
+
 
 class _StepOptimizer:
     """What ``train_step`` receives as its optimizer during capture."""
 
-    def __init__(self, functional: fopt.FunctionalOptimizer, leaves, states, scalars):
+    def __init__(self, functional: fopt.FunctionalOptimizer, leaves, states, scalars, amp: _Amp | None = None):
         self._functional = functional
+        self._amp = amp
         self._leaves = leaves
         self._states = states
         self._scalars = scalars
@@ -97,26 +167,47 @@ class _StepOptimizer:
     def step(self, closure=None):
         if closure is not None:
             raise CaptureError("optimizer.step(closure) is not supported; call loss.backward() then optimizer.step()")
+        amp = self._amp
+        with amp.off() if amp is not None else contextlib.nullcontext():  # fp32 master weights
+            self._step(amp if amp is not None and amp.scaling else None)
+
+    def _step(self, amp: _Amp | None) -> None:
         f = self._functional
         self.new_params = {}
+        found_inf = None
+        if amp is not None:  # fp16: skip the update in the graph when a gradient overflowed
+            found_inf = amp.found_inf if amp.found_inf is not None else torch.tensor(False)
+            step = amp.state["amp.step"] + 1
+        group_scalars: dict[int, dict] = {}
         for name in f.names:
             leaf = self._leaves[name]
             if leaf.grad is None:  # torch.optim skips parameters without a gradient
                 self.new_states[name] = self._states[name]
                 continue
             gi = f.group_of[name]
-            scalars = {k.split(".", 1)[1]: v for k, v in self._scalars.items() if k.startswith(f"g{gi}.")}
-            p, s = fopt.update(f.groups[gi], leaf.detach(), leaf.grad, self._states[name], scalars)
+            if gi not in group_scalars:
+                scalars = {k.split(".", 1)[1]: v for k, v in self._scalars.items() if k.startswith(f"g{gi}.")}
+                if f.device_step:
+                    scalars = fopt.device_scalars(f.groups[gi], scalars["lr"], step)
+                group_scalars[gi] = scalars
+            old = self._states[name]
+            p, s = fopt.update(f.groups[gi], leaf.detach(), leaf.grad, old, group_scalars[gi])
+            if found_inf is not None:
+                p = torch.where(found_inf, leaf.detach(), p)
+                s = {k: torch.where(found_inf, old[k], v) for k, v in s.items()}
             self.new_params[name] = p
             self.new_states[name] = s
+        if amp is not None:
+            amp.new_state = fopt.LossScaler.update(amp.state, found_inf)
 
     def __getattr__(self, item):  # param_groups, state, defaults...: the user's optimizer
         return getattr(self._functional.optimizer, item)
 
 
 @contextlib.contextmanager
-def _marking_backward(leaves: dict[str, torch.Tensor], order: list[str]):
-    """Patch Tensor.backward so each gradient passes through ``alpa.grad`` afterwards."""
+def _marking_backward(leaves: dict[str, torch.Tensor], order: list[str], amp: _Amp | None = None):
+    """Patch Tensor.backward so each gradient passes through ``alpa.grad`` afterwards
+    (with ``amp``: backward without autocast, and fp16 loss scaling around it)."""
     original = torch.Tensor.backward
     index = {n: i for i, n in enumerate(order)}
     depth = 0
@@ -126,9 +217,16 @@ def _marking_backward(leaves: dict[str, torch.Tensor], order: list[str]):
         # handle_torch_function, which calls this patched method again: mark
         # only when the outermost call returns, or every gradient gets two markers.
         nonlocal depth
+        context = contextlib.nullcontext()
+        if depth == 0 and amp is not None:
+            context = amp.off()
+            if amp.scaling:
+                with context:
+                    self = amp.scale_loss(self, leaves)
         depth += 1
         try:
-            original(self, *args, **kwargs)
+            with context:
+                original(self, *args, **kwargs)
         finally:
             depth -= 1
         if depth:
@@ -136,6 +234,9 @@ def _marking_backward(leaves: dict[str, torch.Tensor], order: list[str]):
         for name, leaf in leaves.items():
             if leaf.grad is not None:
                 leaf.grad = grad_marker(leaf.grad, index[name])
+        if amp is not None and amp.scaling:
+            with amp.off():
+                amp.unscale(leaves)
 
     torch.Tensor.backward = backward
     try:
@@ -182,6 +283,9 @@ def _collect_inputs(model, functional, batch_leaves, step) -> _Inputs:
     for name in functional.names:
         for key, value in functional.initial_state(name, params[name]).items():
             ins.add("opt_state", f"{name}.{key}", value)
+    if functional.device_step:  # fp16 loss scaling: the LossScaler's state, after the optimizer's
+        for key, value in fopt.LossScaler.initial_state(step - 1).items():
+            ins.add("opt_state", key, value)
     for key, value in functional.host_scalars(step).items():
         ins.add("host_scalar", key, torch.tensor(value, dtype=torch.float64))
     for i, leaf in enumerate(batch_leaves):
@@ -190,7 +294,8 @@ def _collect_inputs(model, functional, batch_leaves, step) -> _Inputs:
     return ins
 
 
-def _make_step_fn(train_step, model, functional, ins: _Inputs, batch_leaves, batch_spec):
+def _make_step_fn(train_step, model, functional, ins: _Inputs, batch_leaves, batch_spec, precision="fp32",
+                  device_type="cpu"):
     """The pure function of flat inputs that pass 1 traces."""
     names = [n for k, n in ins.specs]
     param_names = [n for k, n in ins.specs if k == "param"]
@@ -205,10 +310,15 @@ def _make_step_fn(train_step, model, functional, ins: _Inputs, batch_leaves, bat
         scalars = {n: by_name[n] for k, n in ins.specs if k == "host_scalar"}
         batch_iter = iter(by_name[f"batch.{i}"] if isinstance(v, torch.Tensor) else v for i, v in enumerate(batch_leaves))
         batch = pytree.tree_unflatten(list(batch_iter), batch_spec)
-        shim = _StepOptimizer(functional, {n: leaves[n] for n in functional.names}, states, scalars)
+        amp = None
+        if PRECISIONS[precision] is not None:
+            scaler = {n: by_name[n] for n in fopt.LossScaler.STATE} if functional.device_step else None
+            amp = _Amp(precision, device_type, scaler)
+        shim = _StepOptimizer(functional, {n: leaves[n] for n in functional.names}, states, scalars, amp)
         with _reparametrize_module(model, {**leaves, **buffers}, tie_weights=True):
-            with _marking_backward(shim._leaves, functional.names):
-                loss = train_step(model, shim, batch)
+            with _marking_backward(shim._leaves, functional.names, amp):
+                with amp.autocast() if amp is not None else contextlib.nullcontext():
+                    loss = train_step(model, shim, batch)
             new_buffers = [b for _, b in model.named_buffers()]
         _check_loss(loss)
         if shim.new_params is None:
@@ -220,6 +330,8 @@ def _make_step_fn(train_step, model, functional, ins: _Inputs, batch_leaves, bat
             raise CaptureError("no parameter received a gradient: call loss.backward() before optimizer.step()")
         new_params = [shim.new_params.get(n, leaves[n].detach()) for n in param_names]
         new_states = [shim.new_states[p][k] for p in functional.names for k in functional.state_names(p)]
+        if functional.device_step:
+            new_states += [amp.new_state[n] for n in fopt.LossScaler.STATE]
         return [loss.detach()] + new_params + new_buffers + new_states
 
     return step_fn
@@ -306,21 +418,25 @@ def _cleanup(gm: fx.GraphModule) -> None:
 
 
 def capture(
-    train_step: Callable, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any
+    train_step: Callable, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
+    precision: str = "fp32",
 ) -> OpGraph:
     """Trace ``train_step(model, optimizer, batch)`` into an ``OpGraph``.
 
     Nothing is executed for real: the model, optimizer and batch are only read.
+    ``precision``: 'fp32', 'bf16' or 'fp16' (module docstring), kept in ``graph.meta``.
     """
     t0 = time.perf_counter()
+    check_precision(precision)
     param_ids = {id(p): n for n, p in model.named_parameters()}
-    functional = fopt.FunctionalOptimizer(optimizer, param_ids)
+    functional = fopt.FunctionalOptimizer(optimizer, param_ids, device_step=precision == "fp16")
     step = functional.step_count() + 1
     batch_leaves, batch_spec = pytree.tree_flatten(batch)
     ins = _collect_inputs(model, functional, batch_leaves, step)
-    step_fn = _make_step_fn(train_step, model, functional, ins, batch_leaves, batch_spec)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_values = _fake_inputs(mode, ins.values)
+    device_type = fake_values[0].device.type if fake_values else "cpu"
+    step_fn = _make_step_fn(train_step, model, functional, ins, batch_leaves, batch_spec, precision, device_type)
     try:
         gm = _trace(step_fn, fake_values, mode)
     except CaptureError:
@@ -334,7 +450,7 @@ def capture(
     graph = _assemble(gm, ins, functional, model)
     graph.meta.update(
         capture_s=time.perf_counter() - t0, model=type(model).__name__,
-        optimizer=type(optimizer).__name__, step=step,
+        optimizer=type(optimizer).__name__, step=step, precision=precision,
         batch_shapes=[tuple(v.shape) for (k, _), v in zip(ins.specs, ins.values) if k == "batch"],
     )
     log.info("captured %s in %.2f s", graph.summary(), graph.meta["capture_s"])
@@ -355,13 +471,18 @@ def _assemble(gm: fx.GraphModule, ins: _Inputs, functional, model) -> OpGraph:
         + [("param", n) for k, n in ins.specs if k == "param"]
         + [("buffer", n) for k, n in ins.specs if k == "buffer"]
         + [("opt_state", f"{p}.{s}") for p in functional.names for s in functional.state_names(p)]
+        + [("opt_state", n) for n in (fopt.LossScaler.STATE if functional.device_step else ())]
     )
     assert len(returned) == len(kinds), "output count differs from expectation"
     outputs = tuple(
         IOSpec(kind, name, tuple(r.meta["val"].shape), str(r.meta["val"].dtype).removeprefix("torch."), r.name)
         for (kind, name), r in zip(kinds, returned)
     )
-    nodes, grad_of = build_nodes(gm, inputs, outputs, functional.names, GRAD_MARKER)
+    # The loss scale feeds the backward (loss * scale): as an optimizer-state source of the
+    # update phase it would make the whole backward "update" (graph_facts._phases).
+    phase_inputs = tuple(dataclasses.replace(s, kind="buffer") if (s.kind, s.name) == ("opt_state", "amp.loss_scale")
+                         else s for s in inputs)
+    nodes, grad_of = build_nodes(gm, phase_inputs, outputs, functional.names, GRAD_MARKER)
     return OpGraph(
         gm=gm, inputs=inputs, outputs=outputs, nodes=nodes, grad_of=grad_of,
         param_groups=dict(functional.group_of),

@@ -118,6 +118,8 @@ def _model_options(p: argparse.ArgumentParser, *, required: bool, default: str |
     g.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
                    help="model dtype (default float32; float16 for gpt-*, as Alpa's benchmark)")
     g.add_argument("--optimizer", default="adamw", choices=("sgd", "adam", "adamw"), help="zoo optimizer")
+    g.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                   help="mixed precision: bf16 / fp16 (loss scaling) compute, fp32 master weights (default fp32)")
     g.add_argument("--model-arg", action="append", metavar="KEY=VALUE",
                    help="keyword for the model builder, repeatable (e.g. n_layer=4)")
 
@@ -131,6 +133,18 @@ def _planner_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-sharding", action="store_true", help="data parallel and pipeline only")
     g.add_argument("--memory-gib", type=_positive_float, metavar="GIB", help="memory budget per device")
     g.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"), help="pipeline schedule")
+    g.add_argument("--checkpointing", default="auto", type=_checkpointing, metavar="MODE",
+                   help="activation checkpointing: auto (where a stage needs it; default), none, full, "
+                        "or GIB (the memory per device the stages must fit in)")
+
+
+def _checkpointing(text: str):
+    if text in ("auto", "none", "full"):
+        return text
+    try:
+        return _positive_float(text) * 2.0**30
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not auto, none, full or a number of GiB") from None
 
 
 def _positive(text: str) -> int:
@@ -152,7 +166,8 @@ def _positive_float(text: str) -> float:
 def planner_kwargs(args) -> dict:
     return dict(num_microbatches=args.microbatches, num_stages=args.stages, num_layers=args.layers,
                 pipeline=not args.no_pipeline, sharding=not args.no_sharding, schedule=args.schedule,
-                memory_budget_bytes=args.memory_gib * 2.0**30 if args.memory_gib else None)
+                memory_budget_bytes=args.memory_gib * 2.0**30 if args.memory_gib else None,
+                checkpointing=args.checkpointing)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -265,7 +280,7 @@ timeline as a Chrome/Perfetto trace (open it in ui.perfetto.dev)."""
     work = _workload(args)
     with PlanProgress(enabled=False if args.quiet else None) as bar:
         bar.phase(f"capturing the step of {work.name}")
-        graph = capture(work.train_step, work.model, work.optimizer, work.batch)
+        graph = capture(work.train_step, work.model, work.optimizer, work.batch, precision=args.precision)
         bar.phase(f"clustering {len(graph.nodes)} operators into layers")
         plan, model = explain.plan_with_model(graph, cluster, progress=bar, **planner_kwargs(args))
         if not args.no_alternatives:
@@ -357,7 +372,7 @@ than --tolerance. --plan runs a saved plan instead of searching."""
     size = _batch_size(work.batch)
     plan_bar = PlanProgress(enabled=False if args.quiet else None)
     step = parallelize(work.train_step, cluster=cluster, plan=args.plan_file, progress=plan_bar,
-                       **planner_kwargs(args))
+                       precision=args.precision, **planner_kwargs(args))
     losses, times = [], []
     lines = not args.quiet and not interactive()
     try:

@@ -93,6 +93,14 @@ class DeviceSpec:
     """Device memory usable by one device, bytes."""
     compute_efficiency: float = 0.6
     """Fraction of peak a well-shaped matmul reaches, in (0, 1]."""
+    op_overhead_s: float = 5e-6
+    """Fixed cost of running one operator on a one-device mesh (plain tensors), seconds, on
+    top of its roofline time: framework dispatch and the kernel launch (a few microseconds
+    on a GPU). ``Cluster.profile`` measures it on the workers (a chain of tiny operators)."""
+    sharded_op_overhead_s: float = 5e-6
+    """The same on a multi-device mesh, where the runtime runs operators on DTensors
+    (sharding propagation, wrapping the local result): tens of microseconds of CPU per
+    operator, hidden behind the kernels on a GPU, not on a CPU device."""
 
     def __post_init__(self) -> None:
         owner = f"DeviceSpec({self.name!r})"
@@ -111,6 +119,11 @@ class DeviceSpec:
         if not _is_number(self.compute_efficiency) or not 0 < self.compute_efficiency <= 1:
             _fail(owner, "compute_efficiency", self.compute_efficiency, "must be in (0, 1]",
                   "use the fraction of peak a large matmul reaches, e.g. 0.6")
+        for name in ("op_overhead_s", "sharded_op_overhead_s"):
+            value = getattr(self, name)
+            if not _is_number(value) or value < 0:
+                _fail(owner, name, value, "must be a finite number >= 0",
+                      "give the fixed seconds per operator, e.g. 5e-6 (or profile the cluster)")
 
     def flops_per_s(self, dtype_name: str = "float32") -> float:
         """Datasheet peak for ``dtype_name`` ('torch.' prefix allowed); the float32 peak if unlisted.
@@ -157,9 +170,15 @@ _TERA = 1e12
 DEVICE_SPECS: dict[str, DeviceSpec] = {
     # A virtual CPU device = one core; modest defaults, memory = host RAM
     # (Cluster.local divides it by the device count). Profiled, so efficiency 1.
+    # bf16/fp16 are not listed: mixed precision is priced at the float32 rate
+    # unless Cluster.profile measured them (it times bfloat16 matmuls too).
+    # Operator overheads measured on the development machine (torch 2.13, one thread, tiny
+    # tensors): ~1.5 us per plain aten call, ~35 us per DTensor call.
     "cpu": DeviceSpec(name="cpu", peak_flops={"float32": 50e9}, memory_bandwidth_bytes_per_s=10e9,
-                      memory_bytes=_host_memory_bytes(), compute_efficiency=1.0),
+                      memory_bytes=_host_memory_bytes(), compute_efficiency=1.0,
+                      op_overhead_s=2e-6, sharded_op_overhead_s=40e-6),
     # NVIDIA Tesla V100 SXM2 datasheet: FP32 15.7, tensor FP16 125 TFLOP/s, HBM2 900 GB/s.
+    # No bf16 tensor cores: bfloat16 falls back to the float32 peak.
     "v100-16gb": DeviceSpec(name="v100-16gb", peak_flops={"float32": 15.7 * _TERA, "float16": 125 * _TERA},
                             memory_bandwidth_bytes_per_s=900e9, memory_bytes=16 * _GiB),
     # NVIDIA A100 Tensor Core GPU datasheet (SXM): FP32 19.5 (TF32 156), BF16/FP16 312 TFLOP/s.

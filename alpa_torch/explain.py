@@ -54,7 +54,7 @@ MEMORY_TIGHT = 0.95
 # ------------------------------------------------------------------ planning with the cost model kept
 def plan_with_model(graph, cluster, *, num_microbatches=None, num_layers=None, num_stages=None, pipeline=True,
                     sharding=True, memory_budget_bytes=None, schedule="1f1b",
-                    progress: Callable[[str], None] | None = None):
+                    progress: Callable[[str], None] | None = None, checkpointing="auto"):
     """``stage_dp.search.plan`` as ``parallelize`` calls it; returns (plan, StageCostModel)."""
     from stage_dp.layer_assign import assign_layers
     from stage_dp.search import plan as search
@@ -75,7 +75,7 @@ def plan_with_model(graph, cluster, *, num_microbatches=None, num_layers=None, n
     model = StageCostModel(graph, cluster, layers, sharding=sharding, progress=progress)
     plan = search(graph, cluster, num_microbatches=num_microbatches, num_stages=num_stages, pipeline=pipeline,
                   sharding=sharding, memory_budget_bytes=memory_budget_bytes, schedule=schedule,
-                  progress=progress, cost_model=model)
+                  progress=progress, cost_model=model, checkpointing=checkpointing)
     return plan, model
 
 

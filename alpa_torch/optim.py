@@ -14,6 +14,15 @@ change (``lr``, Adam's bias corrections) are not baked into the graph: they are
 group (betas, eps, momentum, weight decay) are baked in; changing one of those
 after capture is detected by ``FunctionalOptimizer.check_unchanged``.
 
+Mixed precision with fp16 (``precision="fp16"``) adds dynamic loss scaling
+(``LossScaler``, the maths of ``torch.amp.GradScaler``) as graph state, and a
+step that overflows is skipped inside the graph. Whether a step is skipped is
+then known only on the devices, so in that mode the optimizer's step count is
+device state too (``amp.step``) and the host sends only ``lr`` per group; the
+bias corrections and SGD's ``first_step`` are computed in the graph from the
+device count (``device_scalars``, float64 like the host's Python floats), as
+``torch.optim`` does when ``GradScaler.step`` skips ``optimizer.step()``.
+
 This module owns the maths only; ``capture`` decides where it is called.
 """
 
@@ -131,6 +140,69 @@ def update(cfg: GroupConfig, param, grad, state: dict, scalars: dict):
     return fn(cfg, param, grad, state, scalars)
 
 
+def device_scalars(cfg: GroupConfig, lr: torch.Tensor, step: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``host_scalars`` computed in the graph from 0-dim tensors ``lr`` and ``step`` (the
+    1-based number of the step being taken), in float64 as the host computes them."""
+    lr, step = lr.to(torch.float64), step.to(torch.float64)
+    if cfg.kind == "sgd":
+        return {"neg_lr": -lr, "first_step": (step == 1).to(torch.float64)}
+    bias_correction1 = 1 - torch.pow(cfg.beta1, step)
+    bias_correction2 = 1 - torch.pow(cfg.beta2, step)
+    return {
+        "neg_step_size": -(lr / bias_correction1),
+        "bias_correction2_sqrt": bias_correction2.sqrt(),
+        "decay": 1 - lr * cfg.weight_decay,
+    }
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16, functional: ``torch.amp.GradScaler``'s maths on graph state.
+
+    State (kind ``opt_state``, names ``STATE``): the scale (float32, starts at
+    ``init_scale``), the count of good steps since the last change (int32) and the
+    optimizer's step count (float32, steps taken, skipped ones not counted). A step
+    whose unscaled gradients hold an inf or NaN is skipped (``torch.where``: parameters
+    and optimizer state keep their values) and halves the scale; ``growth_interval``
+    good steps in a row double it (``torch._amp_update_scale_``)."""
+
+    STATE = ("amp.loss_scale", "amp.growth_tracker", "amp.step")
+    init_scale = 2.0**16
+    growth_factor = 2.0
+    backoff_factor = 0.5
+    growth_interval = 2000
+
+    @classmethod
+    def initial_state(cls, step: int) -> dict[str, torch.Tensor]:
+        """Fresh scaler state for an optimizer that has taken ``step`` steps."""
+        return {"amp.loss_scale": torch.tensor(cls.init_scale, dtype=torch.float32),
+                "amp.growth_tracker": torch.tensor(0, dtype=torch.int32),
+                "amp.step": torch.tensor(float(step), dtype=torch.float32)}
+
+    @staticmethod
+    def found_inf(grads) -> torch.Tensor:
+        """0-dim bool: some gradient holds an inf or NaN. ``g * 0`` is 0 for finite values and
+        NaN otherwise, so the sum is NaN exactly then (a sum cannot overflow: all terms are 0)."""
+        total = None
+        for g in grads:
+            term = (g * 0).sum(dtype=torch.float32)
+            total = term if total is None else total + term
+        return torch.isnan(total) if total is not None else torch.tensor(False)
+
+    @classmethod
+    def update(cls, state: dict[str, torch.Tensor], found_inf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The scaler state after a step (``torch._amp_update_scale_``)."""
+        scale, tracker, step = state["amp.loss_scale"], state["amp.growth_tracker"], state["amp.step"]
+        good = tracker + 1
+        grow = good >= cls.growth_interval
+        # One factor, so every operator on the scale follows found_inf (update phase, graph_facts).
+        factor = torch.where(found_inf, cls.backoff_factor, torch.where(grow, cls.growth_factor, 1.0))
+        new_scale = scale * factor.to(scale.dtype)
+        new_scale = torch.where(torch.isfinite(new_scale), new_scale, scale)  # growth never overflows it
+        new_tracker = torch.where(found_inf | grow, torch.zeros_like(tracker), good)
+        new_step = torch.where(found_inf, step, step + 1)
+        return {"amp.loss_scale": new_scale, "amp.growth_tracker": new_tracker, "amp.step": new_step}
+
+
 class FunctionalOptimizer:
     """Reads a user's ``torch.optim`` optimizer and offers its functional twin.
 
@@ -138,7 +210,10 @@ class FunctionalOptimizer:
     the i-th parameter the optimizer updates; ``group_of[name]`` its group.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, param_names: Mapping[int, str]):
+    def __init__(self, optimizer: torch.optim.Optimizer, param_names: Mapping[int, str], *,
+                 device_step: bool = False):
+        """``device_step``: the step count is graph state (fp16 loss scaling, module
+        docstring); ``host_scalars`` then sends only each group's ``lr``."""
         kind = type(optimizer).__name__
         if kind not in _SUPPORTED:
             raise CaptureError(
@@ -146,6 +221,7 @@ class FunctionalOptimizer:
                 "(torch.optim), or open an issue naming the optimizer you need"
             )
         self.optimizer = optimizer
+        self.device_step = bool(device_step)
         self.groups = [_group_config(optimizer, g) for g in optimizer.param_groups]
         self.group_of: dict[str, int] = {}
         self.names: list[str] = []
@@ -193,6 +269,9 @@ class FunctionalOptimizer:
         """Every host scalar of every group for step ``step``, keyed ``g{i}.{name}``."""
         out = {}
         for gi, (cfg, group) in enumerate(zip(self.groups, self.optimizer.param_groups)):
+            if self.device_step:
+                out[f"g{gi}.lr"] = float(group["lr"])
+                continue
             for key, value in host_scalars(cfg, float(group["lr"]), step).items():
                 out[f"g{gi}.{key}"] = value
         return out

@@ -33,8 +33,13 @@ _GiB = 2.0**30
 
 def graph_fingerprint(graph) -> str:
     """16 hex digits of a SHA-256 over the graph's inputs and operators (targets, shapes,
-    dtypes, phases, wiring): equal graphs give equal fingerprints across processes."""
+    dtypes, phases, wiring) and its mixed precision (``graph.meta['precision']``, left out
+    for fp32 so fp32 fingerprints are unchanged): equal graphs give equal fingerprints
+    across processes, and plans (and the plan cache, keyed on it) never mix precisions."""
     h = hashlib.sha256()
+    precision = getattr(graph, "meta", {}).get("precision", "fp32")
+    if precision != "fp32":
+        h.update(repr(("precision", precision)).encode())
     for s in graph.inputs:
         h.update(repr((s.kind, s.name, tuple(s.shape), s.dtype)).encode())
     for name, n in graph.nodes.items():
@@ -103,7 +108,12 @@ class StagePlan:
     in_flight: int
     """Microbatches whose activations the stage holds at once (1F1B: stages after it + 1)."""
     memory_bytes: float
-    """Peak per device: persistent + in_flight × activation."""
+    """Peak per device, the runtime's allocations simulated (``stage_dp.memory_sim``); for a
+    stage recomputing layers, persistent + in_flight × activation (the DP's rule)."""
+    recompute_layers: tuple[int, ...] = ()
+    """Layers whose forward the backward recomputes (activation checkpointing,
+    ``stage_dp.checkpointing``); their activations count as what they keep, and
+    ``persistent_bytes`` includes one recomputed layer's activations."""
 
     @property
     def num_devices(self) -> int:
@@ -118,8 +128,8 @@ class StagePlan:
     def from_dict(d: dict) -> "StagePlan":
         d = dict(d)
         d["sharding"] = StageSharding.from_dict(d["sharding"])
-        for key in ("submesh", "device_ids", "logical_mesh"):
-            d[key] = tuple(d[key])
+        for key in ("submesh", "device_ids", "logical_mesh", "recompute_layers"):
+            d[key] = tuple(d.get(key, ()))
         return StagePlan(**d)
 
 
@@ -186,13 +196,14 @@ class ParallelPlan:
     def table(self) -> str:
         """A text table: one row per stage, then the predicted step time."""
         head = ("stage", "layers", "submesh", "devices", "mesh", "ILP", "t/mb ms", "compute ms",
-                "comm ms", "update ms", "mem GiB")
+                "comm ms", "update ms", "mem GiB", "recompute")
         rows = [head]
         for s in self.stages:
             rows.append((str(s.index), f"{s.layer_start}-{s.layer_end}", f"{s.submesh[0]}x{s.submesh[1]}",
                          _ranges(s.device_ids), f"{s.logical_mesh[0]}x{s.logical_mesh[1]}", s.variant,
                          f"{s.time_s * 1e3:.3f}", f"{s.compute_s * 1e3:.3f}", f"{s.comm_s * 1e3:.3f}",
-                         f"{s.update_s * 1e3:.3f}", f"{s.memory_bytes / _GiB:.3f}"))
+                         f"{s.update_s * 1e3:.3f}", f"{s.memory_bytes / _GiB:.3f}",
+                         _ranges(s.recompute_layers) or "-"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.append(f"step {self.predicted_step_s * 1e3:.3f} ms = compute {self.compute_s * 1e3:.3f} + "
@@ -205,8 +216,14 @@ class ParallelPlan:
     def summary(self) -> str:
         """One line: stages as layers@submesh/mesh."""
         parts = [f"L{s.layer_start}-{s.layer_end}@{s.submesh[0]}x{s.submesh[1]}/"
-                 f"{s.logical_mesh[0]}x{s.logical_mesh[1]}" for s in self.stages]
+                 f"{s.logical_mesh[0]}x{s.logical_mesh[1]}"
+                 + (f" ckpt {_ranges(s.recompute_layers)}" if s.recompute_layers else "") for s in self.stages]
         return f"B={self.num_microbatches} " + " | ".join(parts)
+
+    @property
+    def recompute_layers(self) -> tuple[int, ...]:
+        """Every layer whose forward the backward recomputes, over all stages."""
+        return tuple(l for s in self.stages for l in s.recompute_layers)
 
     # --------------------------------------------------------------- checks
     def validate(self, graph, cluster) -> None:

@@ -5,11 +5,12 @@ stages and shardings (only timing statistics such as ``plan_s`` differ; see
 ``plan_decisions``). So a plan can be stored and reused. The key is a SHA-256
 over (as sorted JSON):
 
-    graph_fingerprint(graph)                the model, optimizer and batch shapes
+    graph_fingerprint(graph)                the model, optimizer and batch shapes, and the
+                                            precision ('bf16' / 'fp16': ``parallelize(precision=...)``)
     cluster.to_dict()                       devices, links, calibration
     planner options                         num_microbatches, num_stages, ... (not ``progress``)
     intra_ilp.cost_model.COST_MODEL_VERSION a new cost model prices plans differently
-    plan.FORMAT_VERSION, CACHE_VERSION      a new plan or entry format
+    plan.FORMAT_VERSION, CACHE_VERSION      a new plan or entry format, or a planner that plans differently
 
 An entry ``<root>/<key>.json`` holds those fields, the plan and the warnings
 the planner logged as JSON (never pickle); a hit logs those warnings again, so a
@@ -38,7 +39,7 @@ from .plan import ParallelPlan, graph_fingerprint
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+CACHE_VERSION = 3  # 2: the stage DP keeps tied weights in one stage; 3: activation checkpointing
 ENTRY_FORMAT = "alpa-torch-plan-cache"
 ENV_VAR = "ALPA_TORCH_CACHE"
 PLANNER_LOGGERS = ("intra_ilp", "stage_dp")

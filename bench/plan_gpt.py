@@ -6,16 +6,25 @@ captured at the global batch (fake tensors: no memory); microbatch counts B
 (powers of two dividing 1024) are priced by scaling the captured costs
 (``stage_dp.search`` docstring). Layers = transformer blocks
 (``boundaries_by_module='blocks'``; the embeddings join the first block, the
-head the last). ``--dtype float16`` (default, as Alpa trains GPT in fp16):
-the whole graph, optimizer state included, is fp16 (no fp32 master weights,
-so memory is lower than Alpa's mixed precision); ``float32`` also works.
+head the last). ``--dtype float16`` (default): the whole graph, optimizer
+state included, is fp16 (no fp32 master weights, so memory is lower than
+Alpa's mixed precision); ``--dtype float32 --precision fp16`` is Alpa's mixed
+precision (fp32 master weights and AdamW state, fp16 compute under autocast,
+loss scaling): 16 bytes of state per parameter, where activation checkpointing
+becomes necessary (``recomputed_layers``).
 
 Clusters: H hosts x 8 V100-16GB, NVLink2 inside a host, 25 Gbit/s Ethernet
 between hosts (Alpa's testbed), or H x 8 A100-80GB over 200 Gbit/s InfiniBand.
 
 Keys: model, hosts, devices_per_host, device, capture_s, plan_s (planning wall
-time after capture: layers, ILPs, DP, plan assembly), num_ilps, ilp_s,
-predicted_step_s, peak_memory_gib, plan (summary), best_manual_step_s,
+time after capture: layers, ILPs, DP, plan assembly), plan_cpu_s (CPU time of
+the same, planner worker processes included: on a shared machine wall time also
+counts other people's work),
+num_ilps, ilp_s,
+predicted_step_s, peak_memory_gib, plan (summary; "ckpt a-b": layers a..b
+recompute their forward in the backward), recomputed_layers (activation
+checkpointing, ``stage_dp.checkpointing``: how many layers the plan recomputes;
+0 when every stage fits without), recompute_by_stage, best_manual_step_s,
 best_manual, manual_s; or error (+ required_gib) when nothing fits.
 
 best_manual: a Megatron-style grid over pipeline degree pp (power of two,
@@ -38,6 +47,7 @@ import json
 import logging
 import math
 import os
+import resource
 import sys
 import time
 
@@ -60,12 +70,12 @@ GLOBAL_BATCH, SEQ = 1024, 1024
 _GiB = 2.0**30
 
 
-def capture_gpt(name: str, dtype: str):
+def capture_gpt(name: str, dtype: str, precision: str = "fp32"):
     with torch.device("meta"):
         model = GPT(gpt_config(name)).to(getattr(torch, dtype))
     opt = make_optimizer("adamw", model)
     tokens = torch.zeros(GLOBAL_BATCH, SEQ, dtype=torch.long, device="meta")
-    return capture(train_step, model, opt, (tokens, tokens))
+    return capture(train_step, model, opt, (tokens, tokens), precision=precision)
 
 
 def best_manual(model: StageCostModel, candidates, budget, lean_all):
@@ -92,22 +102,32 @@ def best_manual(model: StageCostModel, candidates, budget, lean_all):
     return best
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process and of its finished children (the planner's workers)."""
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + kids.ru_utime + kids.ru_stime
+
+
 def run_case(graph, name, hosts, device, capture_s, progress):
     cluster = Cluster.simulated(hosts, 8, **DEVICES[device])
     out = {"model": name, "hosts": hosts, "devices_per_host": 8, "device": cluster.device.name,
            "capture_s": round(capture_s, 2)}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu_s()
     layers = assign_layers(graph, boundaries_by_module="blocks")
     model = StageCostModel(graph, cluster, layers, progress=progress)
     try:
         p = plan(graph, cluster, cost_model=model, progress=progress)
     except InfeasibleMemoryError as exc:
-        out.update(plan_s=round(time.perf_counter() - t0, 2), num_ilps=model.num_ilps, error=str(exc),
+        out.update(plan_s=round(time.perf_counter() - t0, 2), plan_cpu_s=round(_cpu_s() - c0, 2),
+                   num_ilps=model.num_ilps, error=str(exc),
                    required_gib=round(exc.required_bytes / _GiB, 3))
         return out
-    out.update(plan_s=round(time.perf_counter() - t0, 2), num_ilps=model.num_ilps, ilp_s=round(model.ilp_s, 2),
+    out.update(plan_s=round(time.perf_counter() - t0, 2), plan_cpu_s=round(_cpu_s() - c0, 2),
+               num_ilps=model.num_ilps, ilp_s=round(model.ilp_s, 2),
                num_layers=layers.num_layers, predicted_step_s=round(p.predicted_step_s, 4),
-               peak_memory_gib=round(p.peak_memory_bytes / _GiB, 3), plan=p.summary())
+               peak_memory_gib=round(p.peak_memory_bytes / _GiB, 3), plan=p.summary(),
+               recomputed_layers=len(p.recompute_layers),
+               recompute_by_stage=[len(st.recompute_layers) for st in p.stages])
     t1 = time.perf_counter()
     candidates = microbatch_candidates(graph, None)
     step, desc = best_manual(model, candidates, p.memory_budget_bytes, p.options["lean_all"])
@@ -123,6 +143,9 @@ def main(argv=None) -> int:
     ap.add_argument("--hosts", default="1,2,4,8", help="comma list of host counts (8 devices each)")
     ap.add_argument("--devices", default="v100,a100", help="comma list of v100, a100")
     ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                    help="mixed precision of the captured step (use with --dtype float32: fp32 master weights "
+                         "and optimizer state, fp16/bf16 compute, as Alpa trains GPT)")
     ap.add_argument("--quick", action="store_true", help="1.3b on 1 and 2 V100 hosts only")
     ap.add_argument("--verbose", "-v", action="store_true", help="planner progress on stderr")
     args = ap.parse_args(argv)
@@ -138,7 +161,7 @@ def main(argv=None) -> int:
 
     for name in models:
         t0 = time.perf_counter()
-        graph = capture_gpt(name, args.dtype)
+        graph = capture_gpt(name, args.dtype, args.precision)
         capture_s = time.perf_counter() - t0
         for device in devices:
             for h in hosts:

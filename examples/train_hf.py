@@ -2,7 +2,7 @@
 
     python examples/train_hf.py --family bert             # BertForSequenceClassification
     python examples/train_hf.py --family bert-mlm         # BertForMaskedLM (tied decoder)
-    python examples/train_hf.py --family t5 --no-pipeline --microbatches 1 --check   # T5, labels=
+    python examples/train_hf.py --family t5 --check       # T5ForConditionalGeneration, labels=
     python examples/train_hf.py --family llama --hosts 2 --devices 2 --steps 5
     python examples/train_hf.py --family gpt2 --png plan.png
 
@@ -12,12 +12,10 @@ downloaded; ``tests/zoo.py``: ``hf_gpt2``, ``hf_llama``, ``hf_bert``,
 the transformers model exactly as a user would (T5 with ``labels=``). The
 training step is the plain single-device one; ``parallelize`` captures, plans
 and runs it. ``--check`` replays the steps eagerly and prints the largest loss
-difference; ``--png`` draws the plan. Known limits (fixes proposed to the planner
-and runtime owners): BERT-MLM's and T5's tied embeddings need ``--no-pipeline``
-(the planner may otherwise cut between the two users of the tied weight, a plan
-the pipeline runtime refuses), and T5 also ``--microbatches 1`` (its graph holds a
-tensor constant the pipeline engine, also used for one stage with several
-microbatches, does not place yet).
+difference; ``--png`` draws the plan. BERT-MLM's and T5's tied embeddings span
+every layer, so the planner keeps them in one stage (it never cuts a stage inside
+a tied weight's layers); the tensor constants T5 holds (relative-position
+buckets) are computed on every stage that reads them.
 """
 
 from __future__ import annotations

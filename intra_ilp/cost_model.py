@@ -10,8 +10,23 @@ Formulas
 --------
 Compute, roofline (DESIGN.md "Cost model")::
 
-    compute_s = max(flops / (peak_flops_per_s * compute_efficiency),
+    compute_s = max(flops / (peak_flops(dtype) * compute_efficiency),
                     bytes_accessed / memory_bandwidth_bytes_per_s)
+
+An operator the runtime executes also pays a fixed cost per execution
+(``operator_s = compute_s + op_overhead_s``): dispatch and kernel launch, and on a
+multi-device mesh DTensor's sharding propagation, tens of microseconds of CPU that
+dominate small operators on CPU devices (``Cluster.profile`` measures it). Graph
+nodes the runtime skips (``getitem``, gradient markers) cost nothing.
+
+``peak_flops(dtype)`` is the device's peak for the operator's (output) dtype:
+mixed precision (``parallelize(precision='bf16'|'fp16')``) runs matmuls in
+bf16/fp16, which tensor cores do 8-16x faster than fp32 (``DeviceSpec.peak_flops``:
+V100 fp16 125 vs fp32 15.7 TFLOP/s, A100 312 vs 19.5, H100 989 vs 67, B200 2250
+vs 80). A dtype the device does not list (bf16 on a V100, anything on a CPU
+device unless ``Cluster.profile`` measured it) falls back to the mesh's
+``peak_flops_per_s``. Message and memory sizes already use each tensor's
+element size, so bf16/fp16 values cost half of fp32 ones.
 
 Collectives along one mesh axis of ``n`` devices, ``b`` bytes, link ``(α, β)``
 (Alpa, OSDI'22, §4.1 / its ``mesh_profiling`` alpha-beta model; ``b`` is the
@@ -74,7 +89,9 @@ from intra_ilp.spec import P, Placement, R, S, ShardingSpec
 logger = logging.getLogger(__name__)
 
 #: Bump whenever a formula changes: plan caches are keyed on it.
-COST_MODEL_VERSION = "alpa-alpha-beta-1"
+#: 2: compute priced at the peak FLOP/s of the operator's dtype (mixed precision).
+#: 3: a fixed cost per operator execution (``MeshCost.op_overhead_s``, ``operator_s``).
+COST_MODEL_VERSION = "alpa-alpha-beta-3"
 
 _SCALE_FIELDS = {
     "allreduce": "allreduce_beta_scale",
@@ -95,7 +112,10 @@ class MeshCost:
     beta_s_per_byte: tuple[float, float]
     """Inverse bandwidth along each mesh axis, seconds per byte."""
     peak_flops_per_s: float
-    """Peak FLOP/s of one device for the dtype in use."""
+    """Peak FLOP/s of one device for the dtype in use (the default of ``flops_per_s``)."""
+    peak_flops_by_dtype: tuple[tuple[str, float], ...] = ()
+    """Peak FLOP/s of one device per dtype name, e.g. ``(('bfloat16', 312e12), ('float32', 19.5e12))``
+    (a dict is accepted); ``flops_per_s(dtype)`` reads it, falling back to ``peak_flops_per_s``."""
     memory_bandwidth_bytes_per_s: float
     """Device memory bandwidth, bytes per second (the roofline's memory bound)."""
     compute_efficiency: float = 1.0
@@ -108,6 +128,12 @@ class MeshCost:
     """Multiplier on β for reduce-scatter (~3.5 on a profiled gloo cluster)."""
     alltoall_beta_scale: float = 1.0
     """Multiplier on β for all-to-all."""
+    op_overhead_s: float = 0.0
+    """Fixed seconds every operator execution costs on one device of this mesh besides its
+    roofline time (dispatch, kernel launch; DTensor's sharding propagation on a multi-device
+    mesh): ``operator_s`` adds it. ``from_cluster`` takes the device's ``op_overhead_s`` for a
+    one-device mesh, ``sharded_op_overhead_s`` otherwise (the runtime runs plain tensors on one
+    device, DTensors on several)."""
 
     def __post_init__(self) -> None:
         # Coerce lists to tuples so the object stays hashable (it keys caches).
@@ -116,6 +142,12 @@ class MeshCost:
             if len(value) != 2:
                 raise ValueError(f"MeshCost.{name} needs one entry per mesh axis (2), got {value!r}")
             object.__setattr__(self, name, value)
+        table = self.peak_flops_by_dtype
+        table = table.items() if isinstance(table, dict) else table
+        object.__setattr__(self, "peak_flops_by_dtype",
+                           tuple(sorted((str(k).removeprefix("torch."), float(v)) for k, v in table)))
+        if any(not (math.isfinite(v) and v > 0) for _, v in self.peak_flops_by_dtype):
+            raise ValueError(f"MeshCost.peak_flops_by_dtype must be > 0, got {self.peak_flops_by_dtype!r}")
         if any(int(n) != n or n < 1 for n in self.mesh_shape):
             raise ValueError(f"MeshCost.mesh_shape must be positive integers, got {self.mesh_shape!r}")
         object.__setattr__(self, "mesh_shape", tuple(int(n) for n in self.mesh_shape))
@@ -128,10 +160,21 @@ class MeshCost:
                 raise ValueError(f"MeshCost.{name} must be > 0, got {getattr(self, name)!r}")
         if not 0 < self.compute_efficiency <= 1:
             raise ValueError(f"MeshCost.compute_efficiency must be in (0, 1], got {self.compute_efficiency!r}")
+        if not (math.isfinite(self.op_overhead_s) and self.op_overhead_s >= 0):
+            raise ValueError(f"MeshCost.op_overhead_s must be finite and >= 0, got {self.op_overhead_s!r}")
 
     @property
     def num_devices(self) -> int:
         return self.mesh_shape[0] * self.mesh_shape[1]
+
+    def flops_per_s(self, dtype: str | None = None) -> float:
+        """Peak FLOP/s for ``dtype`` ('torch.' prefix allowed); ``peak_flops_per_s`` if None or unlisted."""
+        if dtype is not None:
+            key = str(dtype).removeprefix("torch.")
+            for name, flops in self.peak_flops_by_dtype:
+                if name == key:
+                    return flops
+        return self.peak_flops_per_s
 
     @classmethod
     def from_cluster(
@@ -139,13 +182,15 @@ class MeshCost:
     ) -> "MeshCost":
         """Build from a cluster description (duck-typed, see ``alpa_torch`` Cluster).
 
-        Uses ``cluster.device.flops_per_s(dtype)``,
+        Uses ``cluster.device.flops_per_s(dtype)`` (and ``cluster.device.peak_flops``, the
+        per-dtype table, if present),
         ``cluster.device.memory_bandwidth_bytes_per_s``,
         ``cluster.device.compute_efficiency``,
         ``cluster.mesh_axis_links(submesh, logical_shape)`` (two links with
         ``.alpha_s`` and ``.beta_s_per_byte``) and, if present,
         ``cluster.collective_beta_scale`` (``{"all_gather": 3.5, ...}``; keys
-        are matched ignoring case and underscores).
+        are matched ignoring case and underscores) and, if present,
+        ``cluster.device.op_overhead_s`` (one-device mesh) / ``sharded_op_overhead_s``.
         """
         shape = tuple(int(n) for n in logical_shape)
         links = tuple(cluster.mesh_axis_links(submesh, logical_shape))
@@ -167,8 +212,11 @@ class MeshCost:
             alpha_s=tuple(float(link.alpha_s) for link in links),
             beta_s_per_byte=tuple(float(link.beta_s_per_byte) for link in links),
             peak_flops_per_s=float(device.flops_per_s(dtype)),
+            peak_flops_by_dtype=dict(getattr(device, "peak_flops", None) or {}),
             memory_bandwidth_bytes_per_s=float(device.memory_bandwidth_bytes_per_s),
             compute_efficiency=float(device.compute_efficiency),
+            op_overhead_s=float(getattr(device, "op_overhead_s" if math.prod(shape) == 1
+                                        else "sharded_op_overhead_s", 0.0)),
             **scales,
         )
 
@@ -214,17 +262,33 @@ def p2p_s(mesh: MeshCost, axis: int, nbytes: float) -> float:
     return 0.0 if n == 1 else alpha + beta * nbytes
 
 
-def compute_s(mesh: MeshCost, flops: float, bytes_accessed: float) -> float:
+def compute_s(mesh: MeshCost, flops: float, bytes_accessed: float, dtype: str | None = None) -> float:
     """Roofline time of one operator on one device (DESIGN.md "Cost model").
 
-    max(flops / (peak_flops_per_s × compute_efficiency), bytes_accessed / memory_bandwidth_bytes_per_s)
+    max(flops / (flops_per_s(dtype) × compute_efficiency), bytes_accessed / memory_bandwidth_bytes_per_s);
+    ``dtype``: the operator's (output) dtype name, None for the mesh's default peak.
     """
     if flops < 0 or bytes_accessed < 0:
         raise ValueError(f"flops and bytes_accessed must be >= 0, got {flops!r}, {bytes_accessed!r}")
     return max(
-        flops / (mesh.peak_flops_per_s * mesh.compute_efficiency),
+        flops / (mesh.flops_per_s(dtype) * mesh.compute_efficiency),
         bytes_accessed / mesh.memory_bandwidth_bytes_per_s,
     )
+
+
+def operator_s(mesh: MeshCost, flops: float, bytes_accessed: float, dtype: str | None = None, *,
+               runs: bool = True) -> float:
+    """Time of one operator execution on one device: ``compute_s`` + ``mesh.op_overhead_s``.
+
+    ``runs=False`` for graph nodes the runtime does not execute as operators (``getitem``
+    of a multi-output operator, the gradient markers): they cost nothing. A view runs (it
+    is dispatched like any operator, DTensor included) and pays the overhead, though it
+    moves no data. Every microbatch pays the overhead again: it does not shrink with the
+    microbatch as FLOPs and bytes do (``stage_dp.search`` keeps it out of the 1/B scaling).
+    """
+    if not runs:
+        return 0.0
+    return compute_s(mesh, flops, bytes_accessed, dtype) + mesh.op_overhead_s
 
 
 # ---------------------------------------------------------------- memory

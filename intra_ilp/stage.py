@@ -6,7 +6,9 @@
   and every value the stage reads but does not compute (parameters, optimizer
   state, batch, values from other stages), whose choices are its specs;
 - node cost = compute time of the operator's local share (roofline: the FLOP
-  share of the strategy, the bytes it really reads and writes, ``_local_work``);
+  share of the strategy, the bytes it really reads and writes, ``_local_work``)
+  plus the mesh's fixed cost per operator execution (``cost_model.operator_s``;
+  ``getitem`` and gradient markers, which the runtime does not run, cost nothing);
   feeding the batch costs its local bytes / memory bandwidth (sharded is cheaper);
 - one edge per operator input: the resharding cost from each producer spec to
   the spec each consumer strategy wants (``cost_model.reshard_matrix_s``);
@@ -127,7 +129,8 @@ def _local_work(st: Strategy, tensors: list, mesh_shape) -> tuple[float, float]:
 
 
 class _Builder:
-    def __init__(self, graph, mesh: cm.MeshCost, names: set[str] | None, force: dict[str, str] | None = None):
+    def __init__(self, graph, mesh: cm.MeshCost, names: set[str] | None, force: dict[str, str] | None = None,
+                 memo: dict | None = None):
         self.graph, self.mesh = graph, mesh
         by_input = {s.name: s.node for s in graph.inputs}
         self.force = {by_input.get(k, k): ShardingSpec.parse(v) for k, v in (force or {}).items()}
@@ -143,19 +146,26 @@ class _Builder:
         self.options: dict[str, list[Strategy]] = {}
         self.followers: list[Follower] = []
         # Repeated layers: equal strategy lists are one object, so costs, names and reshard
-        # matrices are computed once per list (keyed by id) instead of once per node.
-        self._lists: dict[tuple, list[Strategy]] = {}
-        self._names: dict[int, tuple[str, ...]] = {}
-        self._matrices: dict[tuple, np.ndarray] = {}
+        # matrices are computed once per list (keyed by id) instead of once per node. A
+        # ``memo`` shares them between builders on one mesh (other layers of one model);
+        # an id-keyed entry keeps its list alive and is used only for that very list.
+        memo = {} if memo is None else memo
+        if memo.setdefault("mesh", mesh) != mesh:
+            raise ValueError("build_stage_instance: this memo was filled on another mesh")
+        self._lists: dict[tuple, list[Strategy]] = memo.setdefault("lists", {})
+        self._names: dict[int, tuple] = memo.setdefault("names", {})
+        self._matrices: dict[tuple, tuple] = memo.setdefault("matrices", {})
+        self._node_costs: dict[tuple, tuple] = memo.setdefault("node_costs", {})
 
     def _shared(self, strategies: list[Strategy]) -> list[Strategy]:
         return self._lists.setdefault(tuple(strategies), strategies)
 
     def names_of(self, name: str) -> tuple[str, ...]:
         opts = self.options[name]
-        if id(opts) not in self._names:
-            self._names[id(opts)] = tuple(st.name for st in opts)
-        return self._names[id(opts)]
+        hit = self._names.get(id(opts))
+        if hit is None or hit[0] is not opts:
+            hit = self._names[id(opts)] = (opts, tuple(st.name for st in opts))
+        return hit[1]
 
     def strategies(self) -> None:
         for name in self.order:
@@ -217,7 +227,7 @@ class _Builder:
         self.followers.append(Follower(self.index[node.name], self.index[producer.name], np.array(mapping)))
 
     def ilp_nodes(self) -> list[ILPNode]:
-        cache: dict[tuple, tuple] = {}  # repeated layers: one costing per (strategy list, shapes)
+        cache = self._node_costs  # repeated layers: one costing per (strategy list, shapes)
         out = []
         for name in self.order:
             node, opts = self.gm_nodes[name], self.options[name]
@@ -226,13 +236,14 @@ class _Builder:
             tensors += [v if isinstance(v, torch.Tensor) else None for v in _as_list(val)]
             facts = self.graph.nodes.get(name) if name in self.op_names else None
             role = "op" if facts is not None else "fed" if name in self.fed else "source"
-            if str(node.target) == GRAD_MARKER_NAME:
-                role = "free"  # an identity the runtime skips
+            if str(node.target) == GRAD_MARKER_NAME or node.target is operator.getitem:
+                role = "free"  # an identity / a tuple element the runtime does not run as an operator
             key = (id(opts), role, facts and (facts.flops, facts.is_view),
                    tuple((tuple(t.shape), t.dtype) if t is not None else None for t in tensors))
-            if key not in cache:
-                cache[key] = self._costs(opts, val, tensors, role, facts)
-            comp, mem = cache[key]
+            hit = cache.get(key)
+            if hit is None or hit[0] is not opts:
+                hit = cache[key] = (opts, *self._costs(opts, val, tensors, role, facts))
+            _, comp, mem = hit
             out.append(ILPNode(name=name, strategy_names=self.names_of(name), compute_s=comp,
                                comm_s=np.zeros(len(opts)), memory_bytes=mem))
         return out
@@ -251,7 +262,7 @@ class _Builder:
             for k, st in enumerate(opts):
                 frac, nbytes = _local_work(st, tensors, self.mesh.mesh_shape)
                 nbytes = 0.0 if facts.is_view else nbytes  # views move no data
-                comp[k] = cm.compute_s(self.mesh, facts.flops * frac, nbytes)
+                comp[k] = cm.operator_s(self.mesh, facts.flops * frac, nbytes, facts.dtype)  # + the fixed cost per operator
         return comp, mem
 
     def _bytes(self, spec, val) -> float:
@@ -267,8 +278,11 @@ class _Builder:
             inputs = [a for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor)]
             for j, src in enumerate(inputs):
                 out.append(self._edge(src.name, node.name, j))
+        inputs = {}
+        for s in self.graph.inputs:  # the first input of each (kind, name), as a linear search finds
+            inputs.setdefault((s.kind, s.name), s)
         for spec in self.graph.outputs:
-            stored = next((s for s in self.graph.inputs if s.kind == spec.kind and s.name == spec.name), None)
+            stored = inputs.get((spec.kind, spec.name))
             if stored is None or spec.node == stored.node or spec.node not in self.index or stored.node not in self.index:
                 continue
             out.append(self._edge(spec.node, stored.node, None))
@@ -279,12 +293,14 @@ class _Builder:
         val = _val(self.gm_nodes[src])
         src_opts, dst_opts = self.options[src], self.options[dst]
         key = (id(src_opts), id(dst_opts), j, tuple(val.shape), _itemsize(val))
-        if key not in self._matrices:
+        hit = self._matrices.get(key)
+        if hit is None or hit[0] is not src_opts or hit[1] is not dst_opts:
             src_specs = [st.outputs[0] if st.outputs and st.outputs[0] else ShardingSpec.replicated(2)
                          for st in src_opts]
             dst_specs = [st.outputs[0] if j is None else st.inputs[j] for st in dst_opts]
-            self._matrices[key] = cm.reshard_matrix_s(self.mesh, src_specs, dst_specs, key[3], key[4])
-        return ILPEdge(self.index[src], self.index[dst], self._matrices[key])
+            hit = self._matrices[key] = (src_opts, dst_opts,
+                                         cm.reshard_matrix_s(self.mesh, src_specs, dst_specs, key[3], key[4]))
+        return ILPEdge(self.index[src], self.index[dst], hit[2])
 
     def tie_groups(self, rounds: int = WL_ROUNDS) -> list[tuple[int, ...]]:
         """Nodes of repeated layers, which must take the same strategy index.
@@ -364,8 +380,11 @@ def _as_list(val):
 
 def build_stage_instance(graph, mesh: cm.MeshCost, *, names: set[str] | None = None,
                          memory_budget_bytes: float = math.inf, exploit_repetition: bool = True,
-                         force: dict[str, str] | None = None):
+                         force: dict[str, str] | None = None, memo: dict | None = None):
     """The ILP of the operators ``names`` (all when None) on ``mesh``; returns (instance, builder).
+
+    ``memo``: a dict to share costings and reshard matrices between calls on the same
+    ``mesh`` (e.g. the layers of one model); the instances are the same with or without.
 
     ``exploit_repetition`` ties the nodes of repeated layers (``_Builder.tie_groups``):
     one strategy choice per operator of a layer instead of one per layer, which
@@ -374,7 +393,7 @@ def build_stage_instance(graph, mesh: cm.MeshCost, *, names: set[str] | None = N
     ``force`` fixes the spec of values: ``{'batch.0': 'RS(0)', 'fc.weight': 'RR'}``
     (graph input names or fx node names), for experts and tests.
     """
-    b = _Builder(graph, mesh, names, force)
+    b = _Builder(graph, mesh, names, force, memo)
     b.strategies()
     nodes = b.ilp_nodes()
     persistent, saved = b.memory_point()

@@ -368,6 +368,8 @@ def _load_plain(directory) -> tuple[dict, dict[str, torch.Tensor], dict]:
 
 def _optimizer_state_dict(manifest: dict, values: dict[str, torch.Tensor]) -> dict:
     opt, step = manifest["optimizer"], manifest["step"]
+    if "amp.step" in values:  # fp16 loss scaling: the optimizer's own count, skipped steps left out
+        step = int(values["amp.step"])
     by_param: dict[str, dict] = {}
     for n, e in manifest["tensors"].items():
         if e["kind"] == "opt_state":

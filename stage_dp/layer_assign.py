@@ -24,7 +24,9 @@ Rules, in the order they are applied:
 4. update operators take the layer of the parameter / optimizer state / buffer
    they produce (through any chain of update consumers); an operator feeding
    several (a global-norm clip) takes the smallest such layer, and if it
-   depends on a gradient, ``update_crosses_layers`` is set.
+   depends on a gradient, ``update_crosses_layers`` is set;
+5. a ``getitem`` takes the layer of the multi-output operator it reads, so a
+   tuple never crosses a stage boundary (the runtime moves tensors only).
 
 Default L (``default_num_layers``): one layer per 6 matmul-class forward
 operators, rounded (a transformer block has 6: qkv, scores, context,
@@ -52,6 +54,7 @@ MAX_DEFAULT_LAYERS = 16
 MATMULS_PER_LAYER = 6
 _MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "conv2d",
                "conv1d", "_scaled_dot_product")
+_GETITEM = "<built-in function getitem>"
 _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
              "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16}
 
@@ -334,6 +337,9 @@ def assign_layers(graph, num_layers: int | None = None,
         if name not in layer_of:
             users = [layer_of[c] for c, v in graph.nodes.items() if name in v.inputs and c in layer_of]
             layer_of[name] = min(users, default=0)
+    for name, node in graph.nodes.items():  # rule 5: a getitem stays with its multi-output operator
+        if node.target == _GETITEM and node.inputs and node.inputs[0] in graph.nodes:
+            layer_of[name] = layer_of[node.inputs[0]]
     order = placeholders + list(graph.nodes)
     ordered = {n: layer_of[n] for n in order}
     if crosses:

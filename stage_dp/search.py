@@ -9,12 +9,16 @@ Does not own any of those algorithms, nor running the plan (``runtime``).
 Stage cost of layers i..j on submesh s with config c, per microbatch (the
 DP's t in Alpa eq. 2, ``T = Σ_k t_k + (B-1) max_k t_k``)::
 
-    t = (fb_ij + upd_ij) / B + x_i
+    t = (fb_ij - f_ij + upd_ij) / B + f_ij + x_i
     fb_ij   forward + backward time of the ILP solution (compute, collectives,
-            resharding) for the whole captured batch; one microbatch is 1/B of
-            it (approximation: the graph is captured at the full batch and
-            costs are scaled linearly, so per-microbatch fixed costs such as
-            collective latency or weight all-gathers are undercounted by B×)
+            resharding) for the whole captured batch; its size-dependent part
+            scales with the microbatch, 1/B of it (the graph is captured at the
+            full batch and FLOPs and bytes scale linearly)
+    f_ij    the part of fb_ij every microbatch pays in full, whatever its size:
+            the fixed cost per operator execution (``cost_model.operator_s``)
+            and the latency α of each forward/backward collective
+            (``stage_costs.LayerCost.overhead_fb_s``, ``latency_fb_s``); the
+            bandwidth part of weight all-gathers is still divided by B
     upd_ij  optimizer time (incl. the gradient all-reduce before it), paid once
             per step; spreading it as upd/B over the microbatches keeps eq. 2
     x_i     cross-stage transfer for a stage starting at layer i > 0: the
@@ -24,11 +28,14 @@ DP's t in Alpa eq. 2, ``T = Σ_k t_k + (B-1) max_k t_k``)::
             the inter-host link when the cluster has several hosts (placement
             is unknown inside the DP), else the intra-host link
 
-Memory per device: persistent + k · activation / B with k microbatches in
+Memory per device (the DP's feasibility rule): persistent + k · activation / B with k microbatches in
 flight; 1F1B: k = n_succ + 1, so ``max_n_succ_stages`` = floor((M - p) / a) - 1
 (-1 when even k = 1 does not fit; unlimited when k >= B fit, since at most
 B microbatches exist); GPipe: all B in flight. M is the device
-memory or ``memory_budget_bytes``.
+memory or ``memory_budget_bytes``. The plan reports, per stage, the peak the
+runtime's allocations reach (``memory_sim``: liveness of the stage's programs in
+the schedule's order, the optimizer's old and new state at once, transient
+copies), which may exceed this rule's figure.
 
 Options: ``sharding=False`` keeps only (n, 1) logical meshes with replicated
 parameters and optimizer state (data parallelism, see ``stage_costs``);
@@ -40,7 +47,9 @@ every stage onto one submesh shape.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import math
@@ -53,8 +62,10 @@ import numpy as np
 from alpa_torch.errors import BatchSplitError, InfeasibleMemoryError, PlanError
 from alpa_torch.plan import SCHEDULES, ParallelPlan, StagePlan, graph_fingerprint, tile_submeshes
 
+from .checkpointing import Checkpointing, choose_layers, stage_memory
 from .dp import NoFeasiblePlanError, StageDPResult, solve_stage_dp
 from .layer_assign import LayerAssignment, assign_layers
+from .memory_sim import with_simulated_memory
 from .stage_costs import MeshConfig, StageCostModel, batch_size
 
 logger = logging.getLogger(__name__)
@@ -82,14 +93,17 @@ class StageTables:
 
 
 def microbatch_candidates(graph, num_microbatches: int | None) -> list[int]:
-    """``[num_microbatches]`` if given, else the powers of two dividing the batch size."""
+    """``[num_microbatches]`` if given, else the powers of two dividing the batch size
+    that leave at least 2 samples per microbatch: a microbatch of one sample is
+    usually another graph (tracing specialises dims of size 1), which the runtime
+    refuses (``ParallelStep._runtime_graph``); a forced count is taken as given."""
     size = batch_size(graph)
     if num_microbatches is not None:
         if num_microbatches < 1 or size % num_microbatches:
             raise BatchSplitError(f"num_microbatches={num_microbatches} does not divide the batch size "
                                   f"{size}; use a divisor of it")
         return [int(num_microbatches)]
-    return [b for b in (2**k for k in range(size.bit_length())) if size % b == 0]
+    return [b for b in (2**k for k in range(size.bit_length())) if size % b == 0 and (size // b > 1 or b == 1)]
 
 
 def max_n_succ(persistent, activation, budget, num_layers, num_microbatches, schedule) -> np.ndarray:
@@ -108,6 +122,7 @@ def build_tables(model: StageCostModel, columns, num_microbatches: int, budget_b
                  schedule: str, activation_scale: float) -> StageTables:
     """Price every (i, j, s, c) for B = num_microbatches (module docstring)."""
     num_layers, b = model.layers.num_layers, num_microbatches
+    model.solve_many((l, cfg, activation_scale) for cols in columns for cfg in cols for l in range(num_layers))
     shape = (num_layers, num_layers, len(columns), max(len(c) for c in columns))
     arr = {k: np.full(shape, np.inf) for k in ("cost", "compute", "cross", "update", "pers", "act")}
     cl = model.cluster
@@ -119,19 +134,44 @@ def build_tables(model: StageCostModel, columns, num_microbatches: int, budget_b
         cross = np.where(np.arange(num_layers) > 0,
                          2 * (link.alpha_s + link.beta_s_per_byte * boundary / (b * sizes[s])), 0.0)
         for c, cfg in enumerate(cols):
-            rc = model.range_costs(cfg, activation_scale)
+            rc = model.range_costs(dataclasses.replace(cfg, recompute=False), activation_scale)
             upd = rc.compute_update_s + rc.comm_update_s
-            t = (rc.compute_fb_s + rc.comm_fb_s + upd) / b + cross[:, None]
-            for key, val in (("cost", t), ("compute", (rc.compute_fb_s + rc.compute_update_s) / b),
+            fixed = rc.overhead_fb_s + rc.latency_fb_s  # paid in full by every microbatch
+            t = (rc.compute_fb_s + rc.comm_fb_s - fixed + upd) / b + fixed + cross[:, None]
+            compute = (rc.compute_fb_s - rc.overhead_fb_s + rc.compute_update_s) / b + rc.overhead_fb_s
+            pers, act = rc.persistent_bytes, rc.activation_bytes / b
+            if cfg.recompute:  # every layer recomputed (``checkpointing.py``)
+                t, compute = t + rc.recompute_s / b, compute + rc.recompute_s / b
+                pers, act = pers + np.maximum(rc.remat_peak_bytes, 0.0) / b, rc.kept_bytes / b
+            for key, val in (("cost", t), ("compute", compute),
                              ("cross", np.broadcast_to(cross[:, None], t.shape)), ("update", upd),
-                             ("pers", rc.persistent_bytes), ("act", rc.activation_bytes / b)):
+                             ("pers", pers), ("act", act)):
                 arr[key][:, :, s, c] = np.where(upper, val, np.inf)
+    for lo, hi in tied_spans(model.graph, model.layers.layer_of):  # no stage starts inside a tied span
+        arr["cost"][lo + 1:hi + 1] = np.inf
     mns = max_n_succ(arr["pers"], arr["act"], budget_bytes, num_layers, b, schedule)
     mns = np.where(np.isfinite(arr["cost"]), mns, -1)
     return StageTables(num_microbatches=b, columns=tuple(tuple(c) for c in columns), sizes=sizes,
                        cost_s=arr["cost"], compute_s=arr["compute"], cross_s=arr["cross"],
                        update_s=arr["update"], persistent_bytes=arr["pers"], activation_bytes=arr["act"],
                        max_n_succ=mns)
+
+
+def tied_spans(graph, layer_of) -> list[tuple[int, int]]:
+    """(first, last) layer of the operators reading each parameter that several layers read.
+
+    A tied weight (BERT-MLM's decoder = word embeddings, T5's shared embedding) must stay on
+    one stage: the pipeline runtime (``runtime/partition.py``) refuses a parameter read by
+    several stages, so ``build_tables`` prices every stage starting in (first, last] as inf."""
+    params = {s.node for s in graph.inputs if s.kind == "param"}
+    span: dict[str, tuple[int, int]] = {}
+    for name, node in graph.nodes.items():
+        l = layer_of[name]
+        for u in node.inputs:
+            if u in params:
+                lo, hi = span.get(u, (l, l))
+                span[u] = (min(lo, l), max(hi, l))
+    return sorted({(lo, hi) for lo, hi in span.values() if hi > lo})
 
 
 def run_dp(tables: StageTables, num_devices: int, *, num_stages=None, max_stages=None,
@@ -168,7 +208,8 @@ def plan(graph, cluster, *, num_microbatches: int | None = None, num_layers: int
          num_stages: int | None = None, submesh: tuple[int, int] | None = None, pipeline: bool = True,
          sharding: bool = True, memory_budget_bytes: float | None = None, schedule: str = "1f1b",
          progress: Callable[[str], None] | None = None, layers: LayerAssignment | None = None,
-         logical_shapes: str = "alpa", cost_model: StageCostModel | None = None) -> ParallelPlan:
+         logical_shapes: str = "alpa", cost_model: StageCostModel | None = None,
+         checkpointing="auto") -> ParallelPlan:
     """The best plan found for ``graph`` on ``cluster`` (module docstring).
 
     ``layers`` (a ``LayerAssignment``) overrides ``num_layers``; ``cost_model`` lets
@@ -176,6 +217,33 @@ def plan(graph, cluster, *, num_microbatches: int | None = None, num_layers: int
     Raises ``InfeasibleMemoryError`` when nothing fits, ``PlanError`` for impossible
     forced options, ``BatchSplitError`` for a bad ``num_microbatches``.
     """
+    with _gc_frozen():
+        return _plan(graph, cluster, num_microbatches=num_microbatches, num_layers=num_layers,
+                     num_stages=num_stages, submesh=submesh, pipeline=pipeline, sharding=sharding,
+                     memory_budget_bytes=memory_budget_bytes, schedule=schedule, progress=progress,
+                     layers=layers, logical_shapes=logical_shapes, cost_model=cost_model,
+                     checkpointing=checkpointing)
+
+
+@contextlib.contextmanager
+def _gc_frozen():
+    """Hide everything allocated before planning (a captured graph: millions of objects for
+    GPT-3 39B) from the cyclic garbage collector while planning, so its full passes, which
+    planning's allocations trigger now and then, stop costing ~1 s each. Left alone if the
+    caller froze objects itself (``gc.unfreeze`` would undo that)."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def _plan(graph, cluster, *, num_microbatches, num_layers, num_stages, submesh, pipeline, sharding,
+          memory_budget_bytes, schedule, progress, layers, logical_shapes, cost_model,
+          checkpointing) -> ParallelPlan:
     t0 = time.perf_counter()
     say = progress or (lambda msg: None)
     num_stages = _check_options(cluster, schedule, pipeline, num_stages, submesh)
@@ -186,28 +254,31 @@ def plan(graph, cluster, *, num_microbatches: int | None = None, num_layers: int
     elif cost_model.graph is not graph or cost_model.cluster != cluster or cost_model.sharding != sharding:
         raise PlanError("cost_model was built for another graph, cluster or sharding option")
     model, layers = cost_model, cost_model.layers
-    budget = float(memory_budget_bytes or cluster.device.memory_bytes)
+    ckpt = Checkpointing.parse(checkpointing)
+    budget = float(min(memory_budget_bytes or cluster.device.memory_bytes, ckpt.budget_bytes or math.inf))
     candidates = microbatch_candidates(graph, num_microbatches)
     scale = 1.0 / max(candidates)
     sub_idx = None if submesh is None else model.submeshes.index(tuple(submesh))
     say(f"{layers.num_layers} layers ({model.sigs.num_distinct} distinct), {len(model.configs)} meshes, "
         f"B in {candidates}")
     lean_all = False
-    columns = candidate_columns(model, model.configs, budget, scale, lean_all=False)
+    columns = with_recompute(candidate_columns(model, model.configs, budget, scale, lean_all=False), ckpt)
     best = _search(model, columns, candidates, budget, schedule, scale, num_stages, sub_idx, pipeline)
     if best is None and sharding:
         lean_all = True
         say("no plan fits; adding least-memory ILP variants for every mesh")
-        columns = candidate_columns(model, model.configs, budget, scale, lean_all=True)
+        columns = with_recompute(candidate_columns(model, model.configs, budget, scale, lean_all=True), ckpt)
         best = _search(model, columns, candidates, budget, schedule, scale, num_stages, sub_idx, pipeline)
     if best is None:
-        _raise_infeasible(model, columns, candidates, budget, schedule, scale, num_stages, sub_idx, pipeline)
+        _raise_infeasible(model, columns, candidates, budget, schedule, scale, num_stages, sub_idx, pipeline,
+                          ckpt)
     res, tables = best
     options = {"num_stages": num_stages, "submesh": list(submesh) if submesh else None, "pipeline": pipeline,
                "sharding": sharding, "logical_shapes": model.logical_shapes, "layering": layers.method,
                "microbatch_candidates": candidates, "lean_all": lean_all, "num_ilps": model.num_ilps,
                "distinct_layers": model.sigs.num_distinct, "ilp_s": round(model.ilp_s, 3),
-               "dp_tmax_evaluated": res.num_tmax_evaluated, "plan_s": round(time.perf_counter() - t0, 3)}
+               "dp_tmax_evaluated": res.num_tmax_evaluated, "checkpointing": ckpt.mode,
+               "plan_s": round(time.perf_counter() - t0, 3)}
     out = build_plan(graph, model, tables, res.stages, schedule, budget, options)
     say(f"planned in {time.perf_counter() - t0:.1f} s: {out.summary()}")
     return out
@@ -227,25 +298,53 @@ def _check_options(cluster, schedule, pipeline, num_stages, submesh) -> int | No
     return num_stages
 
 
+def with_recompute(columns, ckpt: Checkpointing):
+    """``columns`` with the recompute-every-layer twin of each (``checkpointing.py``):
+    both for 'auto', only the twins for 'full', none for 'none'."""
+    if not ckpt.twins:
+        return columns
+    twins = [[dataclasses.replace(cfg, recompute=True) for cfg in cols] for cols in columns]
+    return [cols + tw if ckpt.plain else tw for cols, tw in zip(columns, twins)]
+
+
 def candidate_columns(model, configs, budget, scale, *, lean_all):
     """Configs per submesh (``stage_costs`` variants): every fast one; a 'lean' twin
     capped at budget / ceil(L n / D) bytes per layer (a proportional share of the
     layers for n of the D devices) where some layer's fast solution exceeds that cap;
     with ``lean_all`` also a 'min' twin of every multi-device mesh."""
     columns = [[] for _ in model.submeshes]
-    num_layers, devices = model.layers.num_layers, model.cluster.num_devices
+    num_layers = model.layers.num_layers
+    lean = {cfg: _capped(model, cfg, budget, "lean") for cfg in configs}
+    # One batch: fast ILPs, and 'lean' ones for the layers whose fast solution exceeds the cap
+    # (solve_many skips the others), i.e. exactly the lean ILPs the columns below need.
+    model.solve_many([(l, cfg, 1.0) for cfg in configs for l in range(num_layers)]
+                     + [(l, c, scale) for c in lean.values() if c is not None for l in range(num_layers)]
+                     + [(l, c, scale) for cfg in configs if lean_all and (c := _capped(model, cfg, budget, "min"))
+                        for l in range(num_layers)])
     for cfg in configs:
         columns[cfg.submesh_index].append(cfg)
         size = cfg.logical_shape[0] * cfg.logical_shape[1]
         if not model.sharding or size == 1:
             continue
-        cap = budget / math.ceil(num_layers * size / devices)
+        cap = lean[cfg].layer_budget_bytes
         fast = [model.layer_cost(l, cfg) for l in range(num_layers)]
         if any(c.persistent_bytes + scale * c.activation_bytes > cap for c in fast):
-            columns[cfg.submesh_index].append(dataclasses.replace(cfg, variant="lean", layer_budget_bytes=cap))
+            columns[cfg.submesh_index].append(lean[cfg])
         if lean_all:
             columns[cfg.submesh_index].append(dataclasses.replace(cfg, variant="min"))
     return columns
+
+
+def _capped(model, cfg, budget, variant):
+    """The 'lean' (cap: budget / ceil(L n / D)) or 'min' twin of a multi-device ``cfg``
+    (``candidate_columns``), or None."""
+    size = cfg.logical_shape[0] * cfg.logical_shape[1]
+    if not model.sharding or size == 1:
+        return None
+    if variant == "min":
+        return dataclasses.replace(cfg, variant="min")
+    cap = budget / math.ceil(model.layers.num_layers * size / model.cluster.num_devices)
+    return dataclasses.replace(cfg, variant="lean", layer_budget_bytes=cap)
 
 
 def _search(model, columns, candidates, budget, schedule, scale, num_stages, sub_idx, pipeline):
@@ -265,7 +364,8 @@ def _search(model, columns, candidates, budget, schedule, scale, num_stages, sub
     return None if best is None else best[1:]
 
 
-def _raise_infeasible(model, columns, candidates, budget, schedule, scale, num_stages, sub_idx, pipeline):
+def _raise_infeasible(model, columns, candidates, budget, schedule, scale, num_stages, sub_idx, pipeline,
+                      ckpt=Checkpointing("auto")):
     """InfeasibleMemoryError with the least per-device memory any candidate plan needs
     (bisection on the budget, at the largest B: the smallest activations), or
     PlanError if no plan exists even with unlimited memory."""
@@ -296,12 +396,13 @@ def _raise_infeasible(model, columns, candidates, budget, schedule, scale, num_s
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
     cl = model.cluster
+    recompute = "" if ckpt.twins else "activation checkpointing (checkpointing='auto'), "
     raise InfeasibleMemoryError(
         f"No plan fits in {budget / _GiB:.3f} GiB per device on the {cl.num_hosts}x{cl.devices_per_host} "
         f"cluster: the best candidate plan needs {hi / _GiB:.3f} GiB per device ({hi:.4g} bytes; "
-        f"{b} microbatches, {schedule}). Remedies: more devices or devices with more memory, more "
-        f"microbatches (a larger batch), activation checkpointing, a smaller model or batch, or "
-        f"memory_budget_bytes if the budget was set too low.", required_bytes=hi)
+        f"{b} microbatches, {schedule}{', with activation checkpointing' if ckpt.twins else ''}). Remedies: "
+        f"more devices or devices with more memory, more microbatches (a larger batch), {recompute}a smaller "
+        f"model or batch, or memory_budget_bytes if the budget was set too low.", required_bytes=hi)
 
 
 def build_plan(graph, model: StageCostModel, tables: StageTables, stages, schedule: str,
@@ -310,20 +411,29 @@ def build_plan(graph, model: StageCostModel, tables: StageTables, stages, schedu
     b, k_total = tables.num_microbatches, len(stages)
     devices = tile_submeshes(model.cluster, [model.submeshes[s] for _, _, s, _ in stages])
     out = []
+    scale = 1.0 / max(options["microbatch_candidates"])
     for k, (i, j, s, c) in enumerate(stages):
         cfg = tables.columns[s][c]
+        base = dataclasses.replace(cfg, recompute=False)
         in_flight = b if schedule == "gpipe" else min(k_total - k, b)
         t, comp = float(tables.cost_s[i, j, s, c]), float(tables.compute_s[i, j, s, c])
         pers, act = float(tables.persistent_bytes[i, j, s, c]), float(tables.activation_bytes[i, j, s, c])
+        memory, recompute = pers + in_flight * act, ()
+        if cfg.recompute:
+            recompute, extra_s, pers, act, memory = _choose_recompute(
+                model, base, i, j, b, in_flight, budget, scale, full=options.get("checkpointing") == "full")
+            t, comp = t + extra_s, comp + extra_s
         out.append(StagePlan(
             index=k, layer_start=i, layer_end=j, submesh=tuple(model.submeshes[s]), device_ids=devices[k],
             logical_mesh=tuple(cfg.logical_shape), variant=cfg.variant,
-            sharding=model.stage_sharding(i, j, cfg, 1.0 / max(options["microbatch_candidates"])),
+            sharding=model.stage_sharding(i, j, base, scale),
             time_s=t, compute_s=comp, comm_s=t - comp, cross_stage_s=float(tables.cross_s[i, j, s, c]),
             update_s=float(tables.update_s[i, j, s, c]), persistent_bytes=pers, activation_bytes=act,
-            in_flight=in_flight, memory_bytes=pers + in_flight * act))
+            in_flight=in_flight, memory_bytes=memory, recompute_layers=recompute))
+    # the reported peak per device: the runtime's allocations simulated (the DP's rule decided feasibility)
+    out = list(with_simulated_memory(graph, model.layers.layer_of, out, num_microbatches=b, schedule=schedule))
     slow = max(out, key=lambda st: (st.time_s, -st.index))
-    total = step_time(tables, stages)
+    total = math.fsum(st.time_s for st in out) + (b - 1) * slow.time_s
     return ParallelPlan(
         stages=tuple(out), schedule=schedule, num_microbatches=b, num_layers=model.layers.num_layers,
         layer_of=dict(model.layers.layer_of), predicted_step_s=total, compute_s=b * slow.compute_s,
@@ -331,3 +441,21 @@ def build_plan(graph, model: StageCostModel, tables: StageTables, stages, schedu
         peak_memory_bytes=max(st.memory_bytes for st in out), memory_budget_bytes=budget,
         cluster=model.cluster.to_dict(), cluster_description=model.cluster.describe(),
         graph_fingerprint=graph_fingerprint(graph), options=json.loads(json.dumps(options)))
+
+
+def _choose_recompute(model, base, i, j, b, in_flight, budget, scale, *, full: bool):
+    """For a stage on a recompute column: (layers to recompute, the time that saves
+    against recomputing all (<= 0), persistent bytes, activation bytes per
+    microbatch, peak bytes), ``checkpointing.choose_layers`` with the stage's real
+    in-flight count (every layer when ``full``)."""
+    lcs = [model.layer_cost(l, base, scale) for l in range(i, j + 1)]
+    f = np.array([c.recompute_s for c in lcs]) / b
+    a = np.array([c.activation_bytes for c in lcs]) / b
+    kept = np.array([c.kept_bytes for c in lcs]) / b
+    pers = float(model.range_costs(base, scale).persistent_bytes[i, j])
+    chosen = tuple(range(len(lcs))) if full else choose_layers(f, a, kept, pers, in_flight, budget)
+    r = np.zeros(len(lcs), dtype=bool)
+    r[list(chosen)] = True
+    act = float(np.where(r, kept, a).sum())
+    return (tuple(i + l for l in chosen), float(f[r].sum() - f.sum()), pers + float(np.max(np.where(r, a - kept, 0.0),
+            initial=0.0)), act, stage_memory(pers, in_flight, a, kept, chosen))

@@ -30,7 +30,9 @@ gradients) and activation (forward values kept for backward) bytes per device.
 Each cost is split by phase: forward+backward (``fb``: paid per microbatch)
 and ``update`` (paid once per step), so ``search.py`` can scale them apart.
 An ILP edge counts in the phase of the operator consuming it, so the gradient
-all-reduce before the optimizer is update cost.
+all-reduce before the optimizer is update cost. Of the forward/backward parts, the
+fixed costs (``overhead_fb_s``: the cost per operator execution; ``latency_fb_s``:
+the α of each collective) are kept apart: every microbatch pays them in full.
 
 Variants (``MeshConfig.variant``), each its own column of the DP:
 
@@ -69,6 +71,10 @@ from intra_ilp import cost_model as cm
 from intra_ilp.ilp import min_peak_memory, solve_instance
 from intra_ilp.stage import StageSharding, build_stage_instance
 
+from alpa_torch.remat import recompute_nodes
+
+from .checkpointing import range_max
+from .fork_pool import default_workers, fork_map
 from .layer_assign import LayerAssignment, LayerSignatures
 
 logger = logging.getLogger(__name__)
@@ -76,7 +82,8 @@ logger = logging.getLogger(__name__)
 REPLICATE_PENALTY_S = 1e3
 LEAN_SLACK = 1.02
 _PARTS = ("compute_fb_s", "comm_fb_s", "compute_update_s", "comm_update_s",
-          "persistent_bytes", "activation_bytes")
+          "persistent_bytes", "activation_bytes", "recompute_s", "kept_bytes",
+          "overhead_fb_s", "latency_fb_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +97,9 @@ class MeshConfig:
     """'fast', 'lean' or 'min' (module docstring)."""
     layer_budget_bytes: float | None = None
     """'lean' only: the memory cap of each layer's ILP."""
+    recompute: bool = False
+    """The activation-checkpointing twin: the same ILP solutions, every layer of the
+    stage recomputed in its backward (``checkpointing.py``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -105,6 +115,18 @@ class LayerCost:
     activation_bytes: float
     sharding: StageSharding
     """Specs keyed by the names of the signature's representative layer."""
+    recompute_s: float = 0.0
+    """Activation checkpointing (``checkpointing.py``): the time of the forward
+    operators ``alpa_torch.remat`` copies into the backward, under this sharding."""
+    kept_bytes: float = 0.0
+    """Activation bytes the layer keeps when it is recomputed (what its copies read
+    from outside the layer)."""
+    overhead_fb_s: float = 0.0
+    """The part of ``compute_fb_s`` that is the fixed cost per operator execution
+    (``cost_model.operator_s``): paid in full by every microbatch, it does not shrink with it."""
+    latency_fb_s: float = 0.0
+    """The part of ``comm_fb_s`` that is collective latency (α of every collective of the
+    forward/backward reshards): also paid in full by every microbatch."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -117,6 +139,15 @@ class RangeCosts:
     comm_update_s: np.ndarray
     persistent_bytes: np.ndarray
     activation_bytes: np.ndarray
+    recompute_s: np.ndarray
+    kept_bytes: np.ndarray
+    remat_peak_bytes: np.ndarray
+    """Max over the range of (activation - kept): one layer rematerialized at a time."""
+    overhead_fb_s: np.ndarray
+    """Part of ``compute_fb_s``: fixed cost per operator (``LayerCost.overhead_fb_s``)."""
+    latency_fb_s: np.ndarray
+    """Part of ``comm_fb_s``: collective latency (``LayerCost.latency_fb_s``, and the α of the
+    forward/backward reshards stitching the layers)."""
 
 
 def batch_size(graph) -> int:
@@ -142,17 +173,20 @@ class StageCostModel:
     models of the same graph and layers on other clusters (a solution depends only on
     the layer and the ``MeshCost``, so e.g. local 1x4 and 2x2 clusters share most).
     ``dtype``: whose peak FLOP/s prices compute; default the first parameter's dtype.
+    ``workers``: processes for ``solve_many`` (default ``fork_pool.default_workers()``, at
+    most 2; 1 solves everything in this process).
     """
 
     def __init__(self, graph, cluster, layers: LayerAssignment, *, sharding: bool = True,
                  logical_shapes: str = "alpa", ilp_time_limit_s: float = 60.0, mip_gap: float = 0.01,
                  progress: Callable[[str], None] | None = None, solution_cache: dict | None = None,
-                 dtype: str | None = None):
+                 dtype: str | None = None, workers: int | None = None):
         if logical_shapes not in ("alpa", "all"):
             raise ValueError(f"logical_shapes must be 'alpa' or 'all', got {logical_shapes!r}")
         self.graph, self.cluster, self.layers = graph, cluster, layers
         self.sharding, self.logical_shapes = bool(sharding), logical_shapes
         self.ilp_time_limit_s, self.mip_gap = ilp_time_limit_s, mip_gap
+        self.workers = default_workers() if workers is None else max(1, int(workers))
         self.progress = progress or (lambda msg: None)
         params = [s.dtype for s in graph.inputs if s.kind == "param"]
         self.dtype = dtype or (params[0] if params else "float32")
@@ -164,6 +198,8 @@ class StageCostModel:
         self._solutions: dict[tuple, LayerCost] = {} if solution_cache is None else solution_cache
         self._key = (id(graph), hash(tuple(layers.layer_of.items())), self.sharding)
         self._ranges: dict[tuple, RangeCosts] = {}
+        self._instances: dict[tuple, tuple] = {}  # (rep, MeshCost) -> (instance, builder): variants share one
+        self._memos: dict[cm.MeshCost, dict] = {}  # ``build_stage_instance`` memo per mesh
         self.num_ilps = 0
         self.ilp_s = 0.0
 
@@ -192,31 +228,73 @@ class StageCostModel:
         return m1.alpha_s == m2.alpha_s[::-1] and m1.beta_s_per_byte == m2.beta_s_per_byte[::-1]
 
     # ------------------------------------------------------------ per-layer ILPs
+    def _solution_key(self, layer: int, cfg: MeshConfig, activation_scale: float) -> tuple:
+        rep, mesh = self.sigs.rep_of[layer], self.mesh_cost(cfg)
+        if cfg.variant == "fast" or not self.sharding:
+            return (self._key, rep, mesh, "fast", None, None)
+        return (self._key, rep, mesh, cfg.variant, cfg.layer_budget_bytes, activation_scale)
+
+    def _fast_fits(self, layer: int, cfg: MeshConfig, activation_scale: float) -> bool:
+        """'lean' only: the fast solution (solved here) already fits the layer cap."""
+        fast = self.layer_cost(layer, dataclasses.replace(cfg, variant="fast", layer_budget_bytes=None))
+        return fast.persistent_bytes + activation_scale * fast.activation_bytes <= cfg.layer_budget_bytes
+
     def layer_cost(self, layer: int, cfg: MeshConfig, activation_scale: float = 1.0) -> LayerCost:
         """The ILP solution of ``layer`` on ``cfg`` (cached by signature)."""
-        rep = self.sigs.rep_of[layer]
-        mesh = self.mesh_cost(cfg)
-        if cfg.variant == "fast" or not self.sharding:
-            key = (self._key, rep, mesh, "fast", None, None)
-        else:
-            key = (self._key, rep, mesh, cfg.variant, cfg.layer_budget_bytes, activation_scale)
+        key = self._solution_key(layer, cfg, activation_scale)
         if key not in self._solutions:
-            fast = None
-            if key[3] == "lean":  # reuse the fast solution when it already fits
-                fast = self.layer_cost(layer, dataclasses.replace(cfg, variant="fast", layer_budget_bytes=None))
-                if fast.persistent_bytes + activation_scale * fast.activation_bytes > cfg.layer_budget_bytes:
-                    fast = None
-            if fast is None:
+            _, rep, mesh, variant, cap, _ = key
+            if variant == "lean" and self._fast_fits(layer, cfg, activation_scale):  # reuse it
+                self._solutions[key] = self.layer_cost(layer, dataclasses.replace(cfg, variant="fast",
+                                                                                  layer_budget_bytes=None))
+            else:
                 self.progress(f"ILP {self.num_ilps + 1}: layer {rep} ({len(self.sigs.ops[rep])} ops) on mesh "
-                              f"{cfg.logical_shape} of submesh {cfg.submesh}, {key[3]}")
-            self._solutions[key] = fast or self._solve(rep, mesh, key[3], cfg.layer_budget_bytes,
-                                                       activation_scale)
+                              f"{cfg.logical_shape} of submesh {cfg.submesh}, {variant}")
+                t0 = time.perf_counter()
+                self._solutions[key] = self._solve(rep, mesh, variant, cap, activation_scale)
+                self.num_ilps += 1
+                self.ilp_s += time.perf_counter() - t0
         return self._solutions[key]
+
+    def solve_many(self, requests) -> None:
+        """Solve the ILPs ``layer_cost`` would for every (layer, cfg, activation_scale) in
+        ``requests`` and cache them as it does, on up to ``workers`` forked processes
+        (``fork_pool``). One job per mesh: its fast ILPs, then its capped ones (a 'lean'
+        layer whose fast solution fits the cap reuses it, no ILP), so a mesh's strategies
+        and instances are built once, in one process. ``ilp_s`` adds up the jobs' seconds."""
+        jobs: dict[cm.MeshCost, dict[tuple, tuple]] = {}
+        for layer, cfg, scale in sorted(requests, key=lambda r: r[1].variant != "fast"):
+            key = self._solution_key(layer, cfg, scale)
+            if key not in self._solutions:
+                jobs.setdefault(key[2], {}).setdefault(key, (layer, cfg, scale))
+        if not jobs:
+            return
+        todo = [list(group.items()) for group in jobs.values()]
+        self.progress(f"{sum(map(len, todo))} ILPs at most on {len(todo)} meshes, "
+                      f"{min(self.workers, len(todo))} process(es)")
+
+        def job(group):
+            out = []
+            for key, (layer, cfg, scale) in group:
+                if key[3] == "lean" and self._fast_fits(layer, cfg, scale):
+                    continue  # ``layer_cost`` reuses the fast solution
+                t0 = time.perf_counter()
+                self._solutions[key] = self._solve(*key[1:5], scale)  # this process's copy: the lean check
+                out.append((key, self._solutions[key], time.perf_counter() - t0))
+            for key, _ in group:  # the mesh is done: its instances are not needed again
+                self._instances.pop((key[1], key[2]), None)
+                self._memos.pop(key[2], None)
+            return out
+
+        for results in fork_map(job, todo, self.workers):
+            for key, cost, seconds in results:
+                self._solutions[key] = cost
+                self.num_ilps += 1
+                self.ilp_s += seconds
 
     def _solve(self, rep: int, mesh: cm.MeshCost, variant: str, cap: float | None,
                scale: float) -> LayerCost:
-        t0 = time.perf_counter()
-        instance, b = build_stage_instance(self.graph, mesh, names=set(self.sigs.ops[rep]))
+        instance, b = self._instance(rep, mesh)
         # b.order, b.options, b.gm_nodes, b.memory_rows: read as ``intra_ilp.stage.solve_stage`` does
         persistent, saved = b.memory_rows
         work = instance
@@ -243,13 +321,40 @@ class StageCostModel:
             activation_bytes=math.fsum(mem[i] for i in saved),
             solver_status=sol.status, gap=sol.gap, build_s=sol.build_s, solve_s=sol.solve_s,
             num_vars=sol.num_vars, num_constraints=sol.num_constraints)
-        self.num_ilps += 1
-        self.ilp_s += time.perf_counter() - t0
+        recompute_s, kept = self._remat_parts(rep, instance, choice, mem)
+        overhead_fb, latency_fb = _fixed_fb_parts(instance, choice, self.graph, ops, b, mesh, self.fx_nodes)
         return LayerCost(compute_fb_s=p["compute_fb"], comm_fb_s=p["comm_fb"] + p["reshard_fb"],
                          compute_update_s=p["compute_update"],
                          comm_update_s=p["comm_update"] + p["reshard_update"],
                          persistent_bytes=sharding.persistent_bytes,
-                         activation_bytes=sharding.activation_bytes, sharding=sharding)
+                         activation_bytes=sharding.activation_bytes, sharding=sharding,
+                         recompute_s=recompute_s, kept_bytes=min(kept, sharding.activation_bytes),
+                         overhead_fb_s=overhead_fb, latency_fb_s=latency_fb)
+
+    def _remat_parts(self, rep: int, instance, choice, mem) -> tuple[float, float]:
+        """(recompute seconds, kept bytes) of layer ``rep`` under the ILP's ``choice``
+        (``LayerCost``): the copied operators' compute and collectives and the resharding
+        into them; the bytes of the values they read from outside the layer (forward
+        values and batch inputs, not the persistent state)."""
+        copies = set(recompute_nodes(self.graph, self.layers.layer_of, (rep,)).get(rep, ()))
+        index = {node.name: i for i, node in enumerate(instance.nodes)}
+        t = [float(instance.nodes[i].compute_s[choice[i]] + instance.nodes[i].comm_s[choice[i]])
+             for name, i in index.items() if name in copies]
+        t += [float(e.reshard_s[choice[e.src], choice[e.dst]]) for e in instance.edges
+              if instance.nodes[e.dst].name in copies]
+        batch = {s.node for s in self.graph.inputs if s.kind == "batch"}
+        read = {a for n in copies for a in self.graph.nodes[n].inputs if a not in copies}
+        kept = [mem[index[a]] for a in read if a in index and (
+            a in batch or (a in self.graph.nodes and self.graph.nodes[a].phase == "forward"))]
+        return math.fsum(t), math.fsum(kept)
+
+    def _instance(self, rep: int, mesh: cm.MeshCost):
+        """``build_stage_instance`` of layer ``rep`` on ``mesh``, built once for all variants."""
+        key = (rep, mesh)
+        if key not in self._instances:
+            memo = self._memos.setdefault(mesh, {})  # the layers on one mesh share costings
+            self._instances[key] = build_stage_instance(self.graph, mesh, names=set(self.sigs.ops[rep]), memo=memo)
+        return self._instances[key]
 
     def _solve_capped(self, instance, cap: float | None):
         """``solve_instance`` within ``cap`` bytes, raised to LEAN_SLACK × the least
@@ -296,10 +401,12 @@ class StageCostModel:
         ins = sharding.input_specs.get(rep_name)
         return ins[j] if ins is not None and j < len(ins) else None
 
-    def _stitch(self, cfg, layer_costs) -> tuple[np.ndarray, np.ndarray]:
-        """x_ab (module docstring), split into (fb, update); float64 [L, L], upper triangle."""
+    def _stitch(self, cfg, layer_costs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """x_ab (module docstring), split into (fb, update), and the collective latency (α)
+        part of fb; float64 [L, L], upper triangle."""
         num_layers = self.layers.num_layers
         x_fb, x_up = np.zeros((num_layers, num_layers)), np.zeros((num_layers, num_layers))
+        x_lat = np.zeros((num_layers, num_layers))
         mesh = self.mesh_cost(cfg)
         for src, la, dst, lb, j, shape, itemsize, phase in self.cross_edges:
             spec_src = self._spec(layer_costs, la, src, -1)
@@ -308,7 +415,9 @@ class StageCostModel:
                 continue
             cost = cm.reshard_s(mesh, spec_src, spec_dst, shape, itemsize)
             (x_up if phase == "update" else x_fb)[min(la, lb), max(la, lb)] += cost
-        return x_fb, x_up
+            if phase != "update" and cost > 0:
+                x_lat[min(la, lb), max(la, lb)] += _latency_s(mesh, spec_src, spec_dst, shape, itemsize)
+        return x_fb, x_up, x_lat
 
     def range_costs(self, cfg: MeshConfig, activation_scale: float = 1.0) -> RangeCosts:
         """Every layer range i..j on ``cfg`` (module docstring), at the captured batch."""
@@ -316,11 +425,13 @@ class StageCostModel:
         if key not in self._ranges:
             num_layers = self.layers.num_layers
             lc = [self.layer_cost(l, cfg, activation_scale) for l in range(num_layers)]
-            x_fb, x_up = self._stitch(cfg, lc)
+            x_fb, x_up, x_lat = self._stitch(cfg, lc)
             per_layer = {p: np.array([getattr(c, p) for c in lc]) for p in _PARTS}
             arrays = {p: _range_sums(v) for p, v in per_layer.items()}
             arrays["comm_fb_s"] = arrays["comm_fb_s"] + _pair_sums(x_fb)
             arrays["comm_update_s"] = arrays["comm_update_s"] + _pair_sums(x_up)
+            arrays["latency_fb_s"] = arrays["latency_fb_s"] + _pair_sums(x_lat)
+            arrays["remat_peak_bytes"] = range_max(per_layer["activation_bytes"] - per_layer["kept_bytes"])
             self._ranges[key] = RangeCosts(**arrays)
         return self._ranges[key]
 
@@ -397,6 +508,49 @@ def _phase_parts(instance, choice, graph, ops: set[str]) -> dict[str, float]:
         acc[phase(instance.nodes[e.dst].name, "update"), "reshard"].append(
             float(e.reshard_s[choice[e.src], choice[e.dst]]))
     return {f"{kind}_{ph}": math.fsum(v) for (ph, kind), v in acc.items()}
+
+
+def _fixed_fb_parts(instance, choice, graph, ops: set[str], builder, mesh: cm.MeshCost,
+                    fx_nodes) -> tuple[float, float]:
+    """(operator overhead, collective latency) of the layer's forward/backward under ``choice``:
+    ``mesh.op_overhead_s`` per forward/backward operator of ``ops`` the runtime runs (not a
+    ``getitem`` nor a gradient marker), and α of every collective on the cheapest reshard
+    path (``cost_model.reshard_path``) of each forward/backward edge the choice pays for.
+    Both are per microbatch whatever its size (``search.build_tables``)."""
+    from intra_ilp.stage import GRAD_MARKER_NAME  # noqa: PLC0415
+
+    ran = 0
+    for name in ops:
+        facts, node = graph.nodes.get(name), fx_nodes.get(name)
+        if facts is None or node is None or facts.phase == "update":
+            continue
+        if node.target is operator.getitem or str(node.target) == GRAD_MARKER_NAME:
+            continue
+        ran += 1
+    latency = 0.0
+    for e in instance.edges:
+        dst_name, src_name = instance.nodes[e.dst].name, instance.nodes[e.src].name
+        facts = graph.nodes.get(dst_name)
+        if facts is None or facts.phase == "update" or not e.reshard_s[choice[e.src], choice[e.dst]] > 0:
+            continue
+        dst_node = fx_nodes[dst_name]
+        tensor_inputs = [a.name for a in dst_node.all_input_nodes if isinstance(_val(a), torch.Tensor)]
+        if src_name not in tensor_inputs:
+            continue
+        j = tensor_inputs.index(src_name)
+        src_st, dst_st = builder.options[src_name][choice[e.src]], builder.options[dst_name][choice[e.dst]]
+        src_spec = src_st.outputs[0] if src_st.outputs and src_st.outputs[0] else None
+        if src_spec is None or j >= len(dst_st.inputs):
+            continue
+        val = _val(fx_nodes[src_name])
+        latency += _latency_s(mesh, src_spec, dst_st.inputs[j], tuple(val.shape), val.element_size())
+    return ran * mesh.op_overhead_s, latency
+
+
+def _latency_s(mesh: cm.MeshCost, src, dst, shape, itemsize: int) -> float:
+    """α of every collective on the cheapest reshard path from ``src`` to ``dst``."""
+    steps = cm.reshard_path(mesh, src, dst, tuple(shape), itemsize)
+    return math.fsum(mesh.alpha_s[st.axis] for st in steps if st.collective not in ("slice", "zero", "relabel"))
 
 
 def _with_replicated_state(instance, builder, graph):

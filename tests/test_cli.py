@@ -192,6 +192,16 @@ def test_plan_simulated_gpu_cluster_and_user_function(tmp_path):
     assert ParallelPlan.from_json(tmp_path / "p.json").cluster["devices_per_host"] == 4
 
 
+def test_plan_with_checkpointing_and_precision_options(run_main):
+    code, out, _ = run_main("plan", "mlp", "--local", "1x2", "--checkpointing", "full", "--precision", "bf16",
+                            "--no-alternatives", "-q")
+    assert code == 0 and "recompute" in out
+    rows = [line.split() for line in out.splitlines()[1:] if line[:1].isdigit()]
+    assert rows and all(r[-1] != "-" for r in rows)  # every stage recomputes its layers
+    code, _, err = run_main("plan", "mlp", "--checkpointing", "sometimes")
+    assert code == 2 and "is not auto, none, full or a number of GiB" in err
+
+
 # ------------------------------------------------------------------ train, profile, bench
 def test_train_local_cluster_checks_against_eager(tmp_path):
     out = cli("train", "mlp", "--local", "1x2", "--steps", "3", "--check", cwd=tmp_path, timeout=400)

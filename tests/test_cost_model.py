@@ -326,3 +326,60 @@ def _timed(f) -> float:
     t = time.perf_counter()
     f()
     return time.perf_counter() - t
+
+
+# ---------------------------------------------------------------- fixed cost per operator
+
+def test_operator_s_adds_the_fixed_cost_per_execution():
+    m = MeshCost(mesh_shape=(1, 2), alpha_s=(0.0, 1e-5), beta_s_per_byte=(0.0, 1e-9), peak_flops_per_s=1e12,
+                 memory_bandwidth_bytes_per_s=1e11, op_overhead_s=4e-5)
+    assert cm.operator_s(m, 2e6, 1e3) == pytest.approx(cm.compute_s(m, 2e6, 1e3) + 4e-5)  # 2 us + 40 us
+    assert cm.operator_s(m, 2e6, 1e3, runs=False) == 0.0  # a getitem / gradient marker
+    assert cm.operator_s(m, 0.0, 0.0) == pytest.approx(4e-5)  # a view: no data moved, still dispatched
+    assert cm.operator_s(mesh_cost(), 2e6, 1e3) == cm.compute_s(mesh_cost(), 2e6, 1e3)  # default 0
+    with pytest.raises(ValueError, match="op_overhead_s"):
+        MeshCost(mesh_shape=(1, 2), alpha_s=(0, 0), beta_s_per_byte=(0, 0), peak_flops_per_s=1.0,
+                 memory_bandwidth_bytes_per_s=1.0, op_overhead_s=-1.0)
+
+
+def test_from_cluster_takes_the_overhead_of_the_meshs_runtime_path():
+    """One device runs plain tensors (``op_overhead_s``), several run DTensors (``sharded_op_overhead_s``)."""
+    from alpa_torch.cluster import Cluster
+
+    cluster = Cluster.local(1, 2)
+    one = MeshCost.from_cluster(cluster, (1, 1), (1, 1))
+    two = MeshCost.from_cluster(cluster, (1, 2), (2, 1))
+    assert one.op_overhead_s == cluster.device.op_overhead_s
+    assert two.op_overhead_s == cluster.device.sharded_op_overhead_s > one.op_overhead_s
+    gpu = Cluster.simulated(1, 8)
+    assert MeshCost.from_cluster(gpu, (1, 8), (8, 1)).op_overhead_s == 5e-6  # a kernel launch
+
+
+def test_stage_ilp_prices_the_overhead_of_every_operator_that_runs():
+    """Every ILP node of an operator costs its roofline + the overhead, whatever the strategy;
+    getitems and gradient markers cost nothing, so the ILP's choice is unchanged."""
+    import operator
+
+    import torch
+
+    from alpa_torch.capture import capture
+    from intra_ilp.stage import GRAD_MARKER_NAME, build_stage_instance
+    from tests.zoo import MLP, train_step
+
+    torch.manual_seed(0)
+    model = MLP(32, 64, 10)
+    graph = capture(train_step, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                    (torch.randn(8, 32), torch.randint(0, 10, (8,))))
+    base = MeshCost(mesh_shape=(2, 1), alpha_s=(1e-5, 0.0), beta_s_per_byte=(1e-9, 0.0), peak_flops_per_s=1e12,
+                    memory_bandwidth_bytes_per_s=1e11)
+    heavy = MeshCost(**{**{f: getattr(base, f) for f in base.__slots__}, "op_overhead_s": 1e-3})
+    plain, _ = build_stage_instance(graph, base)
+    priced, b = build_stage_instance(graph, heavy)
+    fx_nodes = {n.name: n for n in graph.gm.graph.nodes}
+    runs = 0
+    for p, q in zip(plain.nodes, priced.nodes):
+        node = fx_nodes[p.name]
+        ran = p.name in graph.nodes and node.target is not operator.getitem and str(node.target) != GRAD_MARKER_NAME
+        runs += ran
+        np.testing.assert_allclose(q.compute_s - p.compute_s, 1e-3 if ran else 0.0, atol=1e-12)
+    assert runs > 10

@@ -9,8 +9,10 @@ Families: GPT-2 and LLaMA (causal LM), BERT (sequence classification and masked 
 T5 (encoder-decoder with labels). Planning takes 20-40 s per model on 2 cores, so
 only BERT classification runs by default; the others are ``slow``
 (``python -m pytest -m slow tests/test_hf.py``). GPT-2 also runs by default in
-``test_runtime.test_automatic_plan_matches_eager``. BERT-MLM and T5 pass with one
-stage; their automatic plans hit two known bugs, kept as ``xfail`` below.
+``test_runtime.test_automatic_plan_matches_eager``. BERT-MLM and T5 tie weights (the
+decoder to the word embeddings, T5's shared embedding): the stage DP keeps each tied
+weight's readers in one stage (``stage_dp.search.tied_spans``); T5 also holds a graph
+constant (``get_attr``) that every pipeline stage makes itself.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only: never the network
 import pytest
 import torch
 
-from alpa_torch import Cluster, PlanError, parallelize
+from alpa_torch import Cluster, parallelize
 from tests.zoo import build, make_batch, make_optimizer, train_step
 
 pytest.importorskip("transformers")
@@ -66,31 +68,30 @@ def test_causal_lm_matches_eager(name, opt):
 
 @pytest.mark.slow
 def test_bert_masked_lm_one_stage_matches_eager():
-    """BertForMaskedLM ties its decoder to the word embeddings: one stage (see the xfail below)."""
+    """BertForMaskedLM ties its decoder to the word embeddings; one stage forced."""
     run_golden("hf_bert_mlm", "adam", pipeline=False)
 
 
 @pytest.mark.slow
 def test_t5_one_stage_matches_eager():
-    """T5 with labels=, one stage and one microbatch (see the xfails below)."""
+    """T5 with labels=, one stage and one microbatch (the one-stage engine)."""
     run_golden("hf_t5", pipeline=False, num_microbatches=1)
 
 
-# Known failures of the automatic plan (reported with patches; remove the marks once fixed):
+# Formerly failing automatic plans (issue 6):
 # 1. Tied parameters (BERT-MLM's decoder = word embeddings, T5's shared embedding) are read
-#    by the first and the last layer; the stage DP may cut between them and the pipeline
-#    runtime then refuses the plan (runtime/partition.py: "a weight shared by several stages").
+#    by the first and the last layer; the stage DP cut between them and the pipeline runtime
+#    refused the plan. The DP now starts no stage inside a tied weight's layer span.
 # 2. T5's _shift_right writes `ids[..., 0] = decoder_start_token_id`: a 0-d tensor constant
-#    (get_attr '_tensor_constant0') that runtime/partition.py has no stage for (KeyError)
-#    whenever the plan runs on the pipeline engine (several stages or microbatches).
+#    (get_attr '_tensor_constant0') that runtime/partition.py had no stage for (KeyError) on
+#    the pipeline engine (several stages or microbatches). Constants are now made by every
+#    stage that reads them (runtime/pipeline.PipelineRunner._base_env).
 @pytest.mark.slow
-@pytest.mark.xfail(raises=PlanError, reason="planner splits a tied embedding across stages (1)")
 def test_bert_masked_lm_automatic_plan():
     run_golden("hf_bert_mlm", "adam")
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(raises=(KeyError, PlanError), reason="graph constant in a pipelined plan (2), ties (1)")
 @pytest.mark.parametrize("options", [{}, {"num_microbatches": 2}], ids=["automatic", "microbatches"])
 def test_t5_pipeline_engine(options):
     run_golden("hf_t5", **options)

@@ -8,11 +8,9 @@ training of the full batch (fp32, atol 1e-5).
 
 from __future__ import annotations
 
-import copy
 
 import numpy as np
 import pytest
-import torch
 
 from alpa_torch.capture import capture
 from alpa_torch.cluster import Cluster

@@ -191,3 +191,47 @@ def test_profile_local_2x2_measures_both_links(ray_session):
     inter = profiled.inter_host_link
     assert inter.name.endswith("-profiled") and 1e-6 <= inter.alpha_s <= 0.1
     assert set(profiled.profiled["links"]) == {"intra", "inter"}
+
+
+def test_calibration_prices_busy_rates_operator_overheads_and_busy_links():
+    """With the all-busy measurements the device gets the sustained rates and the operator
+    overheads (median over ranks), the links the collectives timed between operators; the
+    best-of rates and the idle fits stay in ``profiled``."""
+    cluster, sizes = Cluster.local(1, 2, memory_bytes=2**30), (4 * _KiB, 1 * _MiB, 16 * _MiB)
+
+    def times(alpha, beta):
+        return {c: {str(b): alpha + beta * regressor_bytes(c, _chunk_elems(b, 2) * 2 * 4, 2) for b in sizes}
+                for c in COLLECTIVES}
+
+    ranks = [{"matmul_flops_per_s": {"float32": {"256": 8e10, "512": 1e11}}, "memory_bandwidth_bytes_per_s": 2e10,
+              "busy_matmul_flops_per_s": {"float32": f}, "busy_memory_bandwidth_bytes_per_s": 8e9,
+              "op_overhead_s": {"local": 5e-6, "sharded": o}, "links": {"intra": times(3e-4, 7e-10)},
+              "busy_links": {"intra": times(2e-3, 9e-10)}} for f, o in ((4e10, 3e-5), (5e10, 5e-5))]
+    plan = _Plan(sizes_bytes=sizes, repeats=3, matmul_sizes=None, copy_bytes=None, groups=link_groups(cluster),
+                 busy_window_s=0.1)
+    out = _calibrated(cluster, ranks, plan)
+    assert out.device.peak_flops == {"float32": 4.5e10} and out.device.memory_bandwidth_bytes_per_s == 8e9
+    assert out.device.op_overhead_s == pytest.approx(5e-6) and out.device.sharded_op_overhead_s == pytest.approx(4e-5)
+    assert out.intra_host_link.alpha_s == pytest.approx(2e-3)
+    assert out.intra_host_link.beta_s_per_byte == pytest.approx(9e-10)
+    assert out.profiled["best_flops_per_s"] == {"float32": 1e11}
+    assert out.profiled["idle_links"]["intra"]["fits"]["allreduce"]["alpha_s"] == pytest.approx(3e-4)
+    assert Cluster.from_dict(out.to_dict()) == out
+    mesh = cm.MeshCost.from_cluster(out, (1, 2), (2, 1))
+    assert mesh.op_overhead_s == pytest.approx(4e-5) and mesh.peak_flops_per_s == 4.5e10
+
+
+def test_operator_overheads_are_validated_and_default_to_a_kernel_launch():
+    from alpa_torch.cluster import DEVICE_SPECS, DeviceSpec
+
+    assert DEVICE_SPECS["a100-80gb"].op_overhead_s == DEVICE_SPECS["a100-80gb"].sharded_op_overhead_s == 5e-6
+    cpu = DEVICE_SPECS["cpu"]
+    assert cpu.sharded_op_overhead_s > cpu.op_overhead_s > 0  # DTensor dispatch costs more than a plain call
+    for bad in (-1e-6, math.inf, "1us"):
+        with pytest.raises(ClusterSpecError, match="op_overhead_s"):
+            DeviceSpec(name="x", peak_flops={"float32": 1e12}, memory_bandwidth_bytes_per_s=1e11,
+                       memory_bytes=1e9, op_overhead_s=bad)
+    old = Cluster.local(1, 2).to_dict()
+    del old["device"]["op_overhead_s"], old["device"]["sharded_op_overhead_s"]
+    old["device"]["name"] = "cpu-profiled"  # a cluster JSON written before these fields existed
+    assert Cluster.from_dict(old).device.op_overhead_s == 5e-6

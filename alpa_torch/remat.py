@@ -1,0 +1,150 @@
+"""Activation checkpointing as a graph rewrite: recompute a layer's forward in its backward.
+
+The plan names the layers to recompute (``StagePlan.recompute``). For each such
+layer, every forward value its backward (or another layer's backward) reads is
+produced a second time by a copy of its forward operators, placed just before
+the first backward operator that needs it; the backward reads the copies, so
+the originals are read only by the forward and die there (the runtime frees a
+value after its last reader). What a recomputed layer keeps per microbatch are
+the values its copies read from outside the layer (the previous layer's output:
+the checkpoint; and the weights) and the values other layers' backward reads.
+
+Copies are exact: the same operators on the same inputs (a random operator is
+never copied: its output is kept), with the original's sharding
+(``extend_sharding``), layer and stage. The copies are backward operators by
+dataflow (they lead to gradients, not to the loss), so ``partition`` puts them in
+the stage's backward program with no other change.
+
+``recompute_nodes`` is also what the planner prices (``stage_dp.checkpointing``):
+the copied operators' forward time is the added time, and the saved values of a
+recomputed layer drop to the ones read from outside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx as fx
+
+from alpa_torch.graph import OpGraph
+from alpa_torch.graph_facts import build_nodes
+
+COPY_SUFFIX = "_recompute"
+_RANDOM = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "randperm", "exponential",
+           "geometric", "cauchy", "log_normal", "poisson")
+
+
+def is_random(target: str) -> bool:
+    """Whether an aten target draws random numbers (recomputing it would not reproduce it)."""
+    op = target.split(".")[1] if target.startswith("aten.") else target
+    return any(word in op for word in _RANDOM)
+
+
+def recompute_nodes(graph: OpGraph, layer_of: dict[str, int], layers) -> dict[int, list[str]]:
+    """Per recomputed layer, its forward operators to copy, in graph order.
+
+    Those are the layer's forward values read by a non-forward operator of the same
+    layer, and the forward operators of the same layer they are computed from (a
+    value from another layer, a graph input or a random operator's output is read
+    as kept; so is a value another layer's backward reads: that reader keeps the
+    original, which is what a stage boundary needs)."""
+    layers = set(layers)
+    nodes = graph.nodes
+    own = {n: layer_of[n] for n, f in nodes.items()
+           if f.phase == "forward" and layer_of.get(n) in layers and not is_random(f.target)}
+    need: set[str] = set()
+    for f in nodes.values():
+        if f.phase != "forward":
+            need.update(a for a in f.inputs if a in own and own[a] == layer_of.get(f.name))
+    stack = list(need)
+    while stack:
+        n = stack.pop()
+        for a in nodes[n].inputs:
+            if a in own and own[a] == own[n] and a not in need:
+                need.add(a)
+                stack.append(a)
+    out: dict[int, list[str]] = {}
+    for n in nodes:  # graph order
+        if n in need:
+            out.setdefault(own[n], []).append(n)
+    return out
+
+
+def rematerialize(graph: OpGraph, layer_of: dict[str, int], layers) -> tuple[OpGraph, dict[str, str]]:
+    """``graph`` with the forward of ``layers`` recomputed before its backward readers.
+
+    Returns the new graph (a copy; ``graph`` is unchanged) and copy name -> original
+    name. With no layer to recompute, returns ``graph`` itself and {}."""
+    groups = recompute_nodes(graph, layer_of, layers)
+    if not groups:
+        return graph, {}
+    gm = fx.GraphModule(graph.gm, copy_graph(graph.gm.graph))
+    g = gm.graph
+    by_name = {n.name: n for n in g.nodes}
+    group_of = {n: l for l, names in groups.items() for n in names}
+    copies: dict[str, fx.Node] = {}
+    origin: dict[str, str] = {}
+    for node in list(g.nodes):
+        if node.op != "call_function" or graph.nodes[node.name].phase == "forward":
+            continue
+        mine = layer_of.get(node.name)
+        wanted = [a for a in node.all_input_nodes if a.name in group_of and group_of[a.name] == mine]
+        for layer in dict.fromkeys(group_of[a.name] for a in wanted):
+            if groups[layer][0] in copies:
+                continue
+            with g.inserting_before(node):
+                for name in groups[layer]:
+                    src = by_name[name]
+                    new = g.node_copy(src, lambda a: copies.get(a.name, a) if group_of.get(a.name) == layer else a)
+                    new.name = g._graph_namespace.create_name(name + COPY_SUFFIX, None)
+                    new.meta = dict(src.meta)
+                    copies[name] = new
+                    origin[new.name] = name
+        for a in wanted:
+            node.replace_input_with(a, copies[a.name])
+    g.lint()
+    gm.recompile()
+    nodes, grad_of = build_nodes(gm, graph.inputs, graph.outputs, list(_opt_names(graph)), _marker(graph))
+    new = dataclasses.replace(graph, gm=gm, nodes=nodes, grad_of=grad_of, meta=dict(graph.meta))
+    new.meta["recomputed_layers"] = sorted(groups)
+    return new, origin
+
+
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    new = fx.Graph()
+    out = new.graph_copy(graph, {})
+    new.output(out)
+    return new
+
+
+def _opt_names(graph: OpGraph):
+    """The optimizer's parameter names in the order the gradient markers index them."""
+    return graph.param_groups.keys()
+
+
+def _marker(graph: OpGraph):
+    from alpa_torch.capture import GRAD_MARKER
+
+    return GRAD_MARKER
+
+
+def extend_layer_of(layer_of: dict[str, int], origin: dict[str, str]) -> dict[str, int]:
+    """``layer_of`` with every copy in its original's layer."""
+    return {**layer_of, **{c: layer_of[o] for c, o in origin.items()}}
+
+
+def extend_sharding(sharding, origin: dict[str, str]):
+    """A ``StageSharding`` with every copy sharded as its original."""
+    if not origin:
+        return sharding
+    values = dict(sharding.value_specs)
+    inputs = dict(sharding.input_specs)
+    for c, o in origin.items():
+        if o in sharding.value_specs:
+            values[c] = sharding.value_specs[o]
+        if o in sharding.input_specs:
+            inputs[c] = sharding.input_specs[o]
+    return dataclasses.replace(sharding, value_specs=values, input_specs=inputs)
+
+
+__all__ = ["COPY_SUFFIX", "extend_layer_of", "extend_sharding", "is_random", "recompute_nodes", "rematerialize"]
