@@ -39,7 +39,7 @@ from .plan import ParallelPlan, graph_fingerprint
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 3  # 2: the stage DP keeps tied weights in one stage; 3: activation checkpointing
+CACHE_VERSION = 4  # 2: tied weights in one stage; 3: activation checkpointing; 4: no empty shards
 ENTRY_FORMAT = "alpa-torch-plan-cache"
 ENV_VAR = "ALPA_TORCH_CACHE"
 PLANNER_LOGGERS = ("intra_ilp", "stage_dp")

@@ -225,7 +225,14 @@ def _dtensor_strategies(node: fx.Node, mesh, mesh_shape) -> list[Strategy] | Non
         if not hasattr(op_strategy, "strategies"):  # a TupleStrategy (foreach ops): not modelled
             return None
         out += [s for s in _convert(op_strategy, len(tensor_args), _tensor_outputs(node)) if s not in out]
-    return out
+    # as ``_from_rows``: no strategy splits a dim into more shards than it has elements (a
+    # full-mesh rule, e.g. a view's, may nest S(2)S(2) on a dim of 2 over 4 devices: empty shards)
+    out_vals = node.meta["val"] if isinstance(node.meta["val"], (list, tuple)) else [node.meta["val"]]
+    in_shapes = [a.meta["val"].shape for a in tensor_args]
+    out_shapes = [getattr(v, "shape", None) for v in out_vals]
+    return [st for st in out
+            if all(_shardable(sp, sh, mesh_shape) for sp, sh in zip(st.inputs, in_shapes))
+            and all(sp is None or sh is None or _shardable(sp, sh, mesh_shape) for sp, sh in zip(st.outputs, out_shapes))]
 
 
 def _convert(op_strategy, n_inputs: int, n_outputs: int) -> list[Strategy]:

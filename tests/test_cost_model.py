@@ -383,3 +383,23 @@ def test_stage_ilp_prices_the_overhead_of_every_operator_that_runs():
         runs += ran
         np.testing.assert_allclose(q.compute_s - p.compute_s, 1e-3 if ran else 0.0, atol=1e-12)
     assert runs > 10
+
+
+def test_no_strategy_splits_a_dim_into_empty_shards():
+    """A full-mesh rule (a view's) may nest S(2)S(2) on a dim of 2 over 4 devices; such
+    strategies (empty shards, which the runtime cannot view) are dropped."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from intra_ilp.strategies import node_strategies
+
+    def f(x):
+        return x.view(8, 16, 32)
+
+    gm = make_fx(f)(torch.randn(8, 16, 2, 16))
+    view = next(n for n in gm.graph.nodes if n.op == "call_function" and "view" in str(n.target))
+    for mesh_shape in ((1, 4), (2, 2), (4, 1)):
+        strategies = node_strategies(view, mesh_shape)
+        assert strategies
+        for st in strategies:
+            assert st.inputs[0].shard_count(mesh_shape, 2) <= 2, (mesh_shape, st)
