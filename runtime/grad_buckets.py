@@ -5,19 +5,28 @@ A data-parallel plan leaves each device with a partial sum of a gradient:
 and the plan reduces it to ``R`` (all-reduce) or ``S(d)`` (reduce-scatter) at
 its first consumer, often through a layout operator or two on the way
 (``mm -> t -> t -> alpa.grad``). Run literally, that is one blocking collective
-per gradient (per consumer, even), in the middle of backward.
+per gradient (per consumer, even), in the middle of backward. On a 2-D mesh a
+gradient is partial over both axes (``PP``), and the plan may reduce it in two
+steps, one axis at a time at different operators (``PP -> RP`` at the first
+transpose, ``RP -> RR`` at the marker; the ILP prices both orders the same):
+two blocking collectives.
 
 This module finds those reductions in the plan (``find_reductions``) and
 executes them in buckets (``GradBuckets``):
 
 - the layout operators between the partial value and the gradient marker run
   on the partial value instead (a transpose or view of a sum is the sum of
-  the transposes: no arithmetic, so exactly the same numbers);
+  the transposes: no arithmetic, so exactly the same numbers), and so does
+  ``embedding_dense_backward`` with replicated indices (linear in the gradient:
+  the same sum, added in another order); the reductions of every axis on the
+  way become one reduction over all of them, at the marker;
 - at the marker, the gradient's local summand joins a bucket of gradients
   with the same placements; a bucket of ``cap_bytes`` (25 MiB, DDP's default)
   is concatenated into one flat fp32 buffer and all-reduced with
-  ``async_op=True`` on the mesh axis' process group as soon as its last
-  gradient is final, the rest when the last bucketed gradient arrives;
+  ``async_op=True`` on the mesh axis' process group (over both axes of a 2-D
+  mesh: the default group when the mesh is the whole world, else one axis
+  after the other) as soon as its last gradient is final, the rest when the
+  last bucketed gradient arrives;
 - the first operator reading a gradient waits for its bucket and gets a
   ``DTensor`` view of the reduced buffer, with ``R`` on the reduced axes, or
   ``S(d)`` there when the plan's value spec of the gradient says so (the local
@@ -28,8 +37,14 @@ Equivalence: the result is the same sum of partials, in fp32; only the order
 in which the collective adds the devices' summands may differ from the
 per-tensor collective (a few ulps on more than 2 devices; bit-identical on 2).
 Only gradients whose plan reduces P to R or S on exactly the partial axes,
-through layout operators read by nothing else, are bucketed; every other value
-runs as the plan says. Reduce ops other than a sum stay with DTensor.
+through layout (or linear) operators read by nothing else, are bucketed; every
+other value runs as the plan says. Reduce ops other than a sum stay with DTensor.
+
+The end of the module holds the other one-collective paths the interpreter
+uses: ``replicate_over_world`` (a value partial or sharded over both axes of a
+2-D mesh made replicated in one collective, not one per axis) and
+``gather_replicated`` (state updated on shards, stored replicated: one flat
+all-gather per placements instead of one per tensor and axis).
 """
 
 from __future__ import annotations
@@ -39,11 +54,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 LAYOUT_OPS = frozenset({"aten.t.default", "aten.view.default", "aten._unsafe_view.default",
                         "aten.reshape.default", "aten.transpose.int"})
 """Operators that only re-index their input: they commute with a sum over devices."""
+LINEAR_OPS = frozenset({"aten.embedding_dense_backward.default"})
+"""Operators linear in their first input (the others replicated): they commute with a sum
+over devices up to the order of additions (DTensor runs them on ``P`` as ``P``)."""
 MAX_CHAIN = 4
 BUCKET_CAP_BYTES = 25 * 2**20  # DDP's bucket_cap_mb
 
@@ -82,36 +100,54 @@ def find_reductions(records: list[tuple], value_specs: dict, input_specs: dict,
 
 
 def _walk_back(marker, by_name, readers, value_specs, input_specs) -> GradReduction | None:
-    node, deferred = marker, []
+    """Walk from the marker towards the gradient's producer through deferrable records.
+
+    Every edge on the way where the plan changes placements must only reduce partial
+    sums (``P(sum)`` -> ``R`` / ``S``) on axes no other edge of the chain reduces: a
+    2-D plan may reduce a ``PP`` gradient in two steps (``PP -> RP`` at a transpose,
+    ``RP -> RR`` at the marker), which becomes one reduction over both axes. The
+    reduction edge furthest from the marker whose source value is partial only over
+    the chain's reduced axes wins; the records between it and the marker are deferred."""
+    node, deferred, axes, best = marker, [], [], None
     for _ in range(MAX_CHAIN + 1):
         if not node[5] or not input_specs.get(node[1]):
-            return None
+            break
         src = node[5][0]
         have, want = value_specs.get(src), input_specs[node[1]][0]
         if have is None or len(have) != len(want):
-            return None
+            break
         changed = [a for a, (h, w) in enumerate(zip(have, want)) if h != w]
         if changed:
-            return _reduction(marker, have, want, changed, deferred, value_specs)
+            if any(a in axes or not _is_sum(have[a]) or want[a].is_partial() for a in changed):
+                break
+            axes = sorted(axes + changed)
+        if axes and any(p.is_partial() for a, p in enumerate(have) if a not in axes):
+            break  # partial over an axis the chain does not reduce
+        if changed and all(_deferrable_with(by_name[d], axes, input_specs) for d in deferred):
+            best = (tuple(axes), tuple(deferred))
         prev = by_name.get(src)
-        if (prev is None or prev[0] != "call_function" or str(prev[2]) not in LAYOUT_OPS
-                or readers.get(src, 0) != 1 or len(input_specs.get(src, ())) != 1):
-            return None
+        if (prev is None or prev[0] != "call_function" or readers.get(src, 0) != 1
+                or not _deferrable(prev, input_specs)):
+            break
         deferred.append(src)
         node = prev
-    return None
-
-
-def _reduction(marker, have, want, changed, deferred, value_specs) -> GradReduction | None:
-    """The edge where the plan changes placements: bucketable when it only reduces partial sums."""
-    if not all(_is_sum(have[a]) and not want[a].is_partial() for a in changed):
-        return None
-    if any(p.is_partial() for a, p in enumerate(have) if a not in changed):
+    if best is None:
         return None
     out = value_specs.get(marker[1])
-    if out is None or any(out[a].is_partial() for a in changed):
+    if out is None or any(out[a].is_partial() for a in best[0]):
         return None
-    return GradReduction(marker[1], tuple(changed), tuple(out[a] for a in changed), tuple(deferred))
+    return GradReduction(marker[1], best[0], tuple(out[a] for a in best[0]), best[1])
+
+
+def _deferrable(record, input_specs) -> bool:
+    """A layout operator of one tensor, or an operator linear in its first input."""
+    op, n_in = str(record[2]), len(input_specs.get(record[1], ()))
+    return (op in LAYOUT_OPS and n_in == 1) or (op in LINEAR_OPS and n_in >= 1)
+
+
+def _deferrable_with(record, axes, input_specs) -> bool:
+    """Whether ``record`` can run on a value partial over ``axes``: its other inputs are replicated there."""
+    return all(isinstance(spec[a], Replicate) for spec in input_specs[record[1]][1:] for a in axes)
 
 
 def _is_sum(p) -> bool:
@@ -126,7 +162,7 @@ def deferred_wants(reductions: dict[str, GradReduction], input_specs: dict) -> d
             want = list(input_specs[name][0])
             for a in red.axes:
                 want[a] = Partial()
-            out[name] = [tuple(want)]
+            out[name] = [tuple(want), *input_specs[name][1:]]
     return out
 
 
@@ -254,3 +290,95 @@ class GradBuckets:
             if not bucket.done:
                 self._complete(bucket)
         self._of.clear()
+
+
+# ---------------------------------------------------------------- one flat collective instead of many
+
+
+def mesh_is_world(mesh) -> bool:
+    """Whether ``mesh`` holds every rank of the default group, in rank order (row-major): one
+    collective over the default group then spans every mesh axis, in the shards' order."""
+    return (dist.is_initialized() and dist.get_world_size() == mesh.size()
+            and mesh.mesh.flatten().tolist() == list(range(mesh.size())))
+
+
+def replicate_over_world(value: DTensor, mesh) -> DTensor | None:
+    """``value`` made all-``Replicate`` with one collective over the default group, or None.
+
+    DTensor reduces a value partial over both axes of a 2-D mesh (the loss, the
+    token count), or gathers one sharded over both, one axis at a time: two
+    blocking collectives. When ``mesh_is_world(mesh)``, one all-reduce (sum; avg
+    = sum / n: every axis averages equal groups) or one all-gather (the same
+    tensor dim sharded on every axis, evenly: the world's rank order is then the
+    shards' order) does it. Other placements: None (the caller asks DTensor)."""
+    placements, local, n = tuple(value.placements), value.to_local(), mesh.size()
+    ops = {p.reduce_op for p in placements if isinstance(p, Partial)}
+    if len(ops) == 1 and all(isinstance(p, Partial) for p in placements) and ops <= {"sum", "avg"}:
+        out = local.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out)
+        if ops == {"avg"}:
+            out.div_(n)
+    elif all(type(p) is Shard for p in placements) and len({p.dim for p in placements}) == 1:
+        d = placements[0].dim
+        if local.shape[d] * n != value.shape[d]:
+            return None  # uneven shards
+        src = local.movedim(d, 0).contiguous()
+        out = torch.empty((n * src.shape[0], *src.shape[1:]), dtype=src.dtype, device=src.device)
+        dist.all_gather_into_tensor(out, src)
+        out = out.movedim(0, d).contiguous() if d else out
+    else:
+        return None
+    return DTensor.from_local(out, mesh, (Replicate(),) * mesh.ndim, run_check=False)
+
+
+def gather_replicated(mesh, values: dict[str, DTensor]) -> dict[str, DTensor]:
+    """``values`` (sharded) as all-``Replicate`` DTensors, one flat all-gather per placements.
+
+    A plan that updates replicated state on shards (each device computes a slice
+    of the new weights) stores the results replicated: run literally, one
+    blocking all-gather per tensor (per mesh axis on a 2-D mesh) at the end of
+    every step. Here the local shards of all values with the same placements are
+    concatenated and all-gathered once, over the one mesh axis they are sharded
+    on, or over every rank when they are sharded on every axis and
+    ``mesh_is_world``; each device's piece goes where DTensor's own layout
+    arithmetic puts it (exact: a gather does no arithmetic). Values partial,
+    sharded over some but not all axes, or sharded unevenly are left out (the
+    caller redistributes them). Every device must call it with the same values."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    buckets: dict[tuple, list] = {}
+    for name, v in values.items():
+        placements = tuple(v.placements)
+        axes = tuple(a for a, p in enumerate(placements) if isinstance(p, Shard) and mesh.size(a) > 1)
+        if (not axes or any(p.is_partial() for p in placements)
+                or (len(axes) > 1 and not (len(axes) == mesh.ndim and mesh_is_world(mesh)))):
+            continue
+        buckets.setdefault((placements, axes, v.dtype), []).append((name, v))
+    out = {}
+    rep = (Replicate(),) * mesh.ndim
+    for (placements, axes, dtype), members in buckets.items():
+        group = mesh.get_group(axes[0]) if len(axes) == 1 else None
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        coords = [(mesh.mesh == r).nonzero()[0].tolist() for r in ranks]
+        layouts = []  # (name, value, [(local shape, global offset) of each rank in group order])
+        for name, v in members:
+            lo = [_compute_local_shape_and_global_offset(v.shape, mesh.shape, c, placements) for c in coords]
+            if len({s for s, _ in lo}) == 1 and tuple(v.to_local().shape) == tuple(lo[0][0]):
+                layouts.append((name, v, lo))
+        if not layouts:
+            continue
+        flat = torch.cat([v.to_local().reshape(-1) for _, v, _ in layouts])
+        gathered = torch.empty(len(ranks) * flat.numel(), dtype=dtype, device=flat.device)
+        dist.all_gather_into_tensor(gathered, flat, group=group)
+        full = {name: torch.empty(v.shape, dtype=dtype, device=flat.device) for name, v, _ in layouts}
+        for k in range(len(ranks)):
+            offset = k * flat.numel()
+            for name, _, lo in layouts:
+                shape, start = lo[k]
+                numel = math.prod(shape)
+                index = tuple(slice(o, o + s) for o, s in zip(start, shape))
+                full[name][index] = gathered[offset:offset + numel].view(shape)
+                offset += numel
+        for name, t in full.items():
+            out[name] = DTensor.from_local(t, mesh, rep, run_check=False)
+    return out

@@ -48,7 +48,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 from intra_ilp.spec import ShardingSpec
 from intra_ilp.strategies import to_dtensor_placements
 
-from .grad_buckets import BUCKET_CAP_BYTES, GradBuckets, deferred_wants, find_reductions
+from .grad_buckets import (BUCKET_CAP_BYTES, GradBuckets, deferred_wants, find_reductions, gather_replicated,
+                           mesh_is_world, replicate_over_world)
 from .program import CALL, GET_ATTR, GETITEM, MARKER, OUTPUT, Program, Ref, compile_program
 from .replay import InputMeta, StepReplay, agree, check_local, meta_of, replay_args, to_local, wrap
 
@@ -110,6 +111,9 @@ class StageRunner:
             self.nodes, self.value_specs, self.input_specs, GRAD_MARKER_NAME)
         self.input_specs.update(deferred_wants(self.reductions, self.input_specs))
         self.buckets = GradBuckets(mesh, self.reductions, bucket_cap_bytes) if self.reductions else None
+        self.world_mesh = not self.local and mesh.ndim > 1 and mesh_is_world(mesh)
+        """A 2-D mesh of every rank: values partial / sharded over both axes become replicated in one
+        collective over the default group, not one per axis (``grad_buckets.replicate_over_world``)."""
         self._constants: dict[str, Any] = {}
         self.replaying = False
         self.replay_enabled = REPLAY
@@ -175,6 +179,19 @@ class StageRunner:
         value = self._place(value, want)
         self._state[name] = value.to_local() if self.replaying else value
 
+    def _gather_stores(self, stores: list[tuple]) -> dict[str, DTensor]:
+        """New state computed sharded that the plan stores replicated (an update run on slices):
+        all-gathered in flat buckets (``grad_buckets.gather_replicated``), by state name."""
+        if self.local or self.replaying:
+            return {}
+        todo = {}
+        for kind, name, node, value in stores:
+            want = self.value_specs.get(self.stored_node[(kind, name)], self.rep)
+            if (isinstance(value, DTensor) and value.placements != want
+                    and all(isinstance(p, Replicate) for p in want)):
+                todo[name] = value
+        return gather_replicated(self.mesh, todo) if todo else {}
+
     def gather_state(self) -> dict[str, np.ndarray]:
         """Full values of this runner's state (a collective among its mesh's devices)."""
         return {name: (value.full_tensor() if isinstance(value, DTensor) else value).numpy()
@@ -201,19 +218,22 @@ class StageRunner:
         results = self.run(self.program, env)
         if self.buckets is not None:
             self.buckets.finish()
-        loss = None
+        loss, stores = None, []
         for (kind, name, node), value in zip(self.outputs, results):
             if kind == "loss":
                 loss = self.as_dtensor(node, value)
-                loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+                loss = self._place(loss, self.rep).to_local() if isinstance(loss, DTensor) else loss
                 continue
-            self.store(kind, name, node, value)
+            stores.append((kind, name, node, value))
+        gathered = self._gather_stores(stores)
+        for kind, name, node, value in stores:
+            self.store(kind, name, node, gathered.get(name, value))
         self.end_step()
         return float(loss)
 
     def enter(self, env: dict[str, Any]) -> None:
         """Values the caller put in ``env``: noted while learning, local tensors when replaying."""
-        if self.learning:
+        if self.learning and self.replay_enabled:
             for k, v in env.items():
                 self.meta[k] = meta_of(v)
         elif self.replaying:
@@ -247,7 +267,8 @@ class StageRunner:
                 # Turning a value into a partial sum is DTensor-internal: its
                 # dispatcher does it when the operator's rule asks for it.
                 return value
-            value = value.redistribute(self.mesh, placements)
+            fast = replicate_over_world(value, self.mesh) if self.world_mesh and placements == self.rep else None
+            value = fast if fast is not None else value.redistribute(self.mesh, placements)
         return value
 
     def run(self, program: Program, env: dict[str, Any],
@@ -258,7 +279,7 @@ class StageRunner:
         accumulates microbatches; ``meta``: its ``ValueMeta``, None on one device); it
         returns whether it took the value (then it is not put in ``env``). Without it,
         bucketed gradients go to ``self.buckets``."""
-        learning = self.learning
+        learning = self.learning and self.replay_enabled  # metadata for the replay: only when learning one
         call = (self._call_local if self.local else self._call_replay if self.replaying
                 else self._call_learn if self.replay_enabled else self._call_dist)
         for st in program.steps:
@@ -304,7 +325,7 @@ class StageRunner:
         for name in names:
             if self.buckets.has(name):
                 value = self.buckets.take(name)
-                if self.learning:
+                if self.learning and self.replay_enabled:
                     self.meta[name] = meta_of(value)
                 env[name] = value.to_local() if self.replaying else value
 
@@ -321,8 +342,9 @@ class StageRunner:
         args, kwargs = st.resolve([env[a] for a in st.inputs])
         return st.target(*args, **kwargs)
 
-    def _placed_inputs(self, st, env: dict[str, Any]) -> tuple[list, list]:
-        """Inputs redistributed to the plan's input specs, and their ``InputMeta`` (None: not a tensor)."""
+    def _placed_inputs(self, st, env: dict[str, Any], with_metas: bool = True) -> tuple[list, list]:
+        """Inputs redistributed to the plan's input specs, and their ``InputMeta`` (None: not a tensor;
+        none at all without ``with_metas``: only learning a replay reads them)."""
         specs = self.input_specs.get(st.name)
         n_specs = len(specs) if specs is not None else 0
         values, metas, j = [], [], 0
@@ -332,15 +354,16 @@ class StageRunner:
                 want = specs[j] if j < n_specs else self.rep
                 j += 1
                 placed = v if isinstance(v, DTensor) and v.placements == want else self._place(v, want)
-                metas.append(InputMeta(meta_of(v), meta_of(placed) if placed is not v else None))
+                if with_metas:
+                    metas.append(InputMeta(meta_of(v), meta_of(placed) if placed is not v else None))
                 v = placed
-            else:
+            elif with_metas:
                 metas.append(None)
             values.append(v)
         return values, metas
 
     def _call_dist(self, st, env: dict[str, Any]):
-        values, _ = self._placed_inputs(st, env)
+        values, _ = self._placed_inputs(st, env, with_metas=False)
         return self._call_dtensor(st, st.resolve(values))
 
     def _call_learn(self, st, env: dict[str, Any]):
