@@ -196,7 +196,7 @@ class _Stage:
         with the peak of the steps of each phase;
         ``accumulate``: the gradient accumulator {marker: bytes} of a pipeline, updated in
         place (markers hand their value over; later microbatches add into it)."""
-        sizes, n = self.sizes, len(steps)
+        sizes = self.sizes
         index = {name: i for i, name in enumerate(steps)}
         last: dict[str, float] = {}
         for i, name in enumerate(steps):

@@ -401,5 +401,5 @@ def test_no_strategy_splits_a_dim_into_empty_shards():
     for mesh_shape in ((1, 4), (2, 2), (4, 1)):
         strategies = node_strategies(view, mesh_shape)
         assert strategies
-        for st in strategies:
-            assert st.inputs[0].shard_count(mesh_shape, 2) <= 2, (mesh_shape, st)
+        for strategy in strategies:
+            assert strategy.inputs[0].shard_count(mesh_shape, 2) <= 2, (mesh_shape, strategy)
