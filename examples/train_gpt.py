@@ -64,7 +64,7 @@ def main(argv=None) -> int:
         print(step.plan.table(), flush=True)
         if reference is not None:
             ref_opt = make_optimizer("adamw", reference)
-            worst = max(abs(float(train_step(reference, ref_opt, make_batch("gpt", args.batch, seed=i))) - l)
+            worst = max(abs(float(train_step(reference, ref_opt, make_batch("gpt", args.batch, seed=i)).detach()) - l)
                         for i, l in enumerate(losses))
             print(f"max |loss - eager loss| = {worst:.3g}", flush=True)
     finally:
