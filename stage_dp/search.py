@@ -280,6 +280,12 @@ def _plan(graph, cluster, *, num_microbatches, num_layers, num_stages, submesh, 
                "dp_tmax_evaluated": res.num_tmax_evaluated, "checkpointing": ckpt.mode,
                "plan_s": round(time.perf_counter() - t0, 3)}
     out = build_plan(graph, model, tables, res.stages, schedule, budget, options)
+    if out.peak_memory_bytes > budget:
+        logger.warning(
+            "the plan fits %.3f GiB per device by the stage DP's memory rule, but the simulation of its programs "
+            "peaks at %.3f GiB (stage_dp/memory_sim.py); if the devices run out of memory, pass "
+            "memory_budget_bytes=%.4g (or checkpointing='full')", budget / _GiB, out.peak_memory_bytes / _GiB,
+            budget * budget / out.peak_memory_bytes)
     say(f"planned in {time.perf_counter() - t0:.1f} s: {out.summary()}")
     return out
 
