@@ -87,11 +87,9 @@ def rematerialize(graph: OpGraph, layer_of: dict[str, int], layers) -> tuple[OpG
     for node in list(g.nodes):
         if node.op != "call_function" or graph.nodes[node.name].phase == "forward":
             continue
-        mine = layer_of.get(node.name)
-        wanted = [a for a in node.all_input_nodes if a.name in group_of and group_of[a.name] == mine]
-        for layer in dict.fromkeys(group_of[a.name] for a in wanted):
-            if groups[layer][0] in copies:
-                continue
+        layer = layer_of.get(node.name)  # its own layer's values only: others' readers keep the originals
+        wanted = [a for a in node.all_input_nodes if a.name in group_of and group_of[a.name] == layer]
+        if wanted and groups[layer][0] not in copies:  # the first reader: copy the layer's forward here
             with g.inserting_before(node):
                 for name in groups[layer]:
                     src = by_name[name]

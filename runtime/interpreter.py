@@ -105,6 +105,8 @@ class StageRunner:
         self._state: dict[str, DTensor | torch.Tensor] = {}
         """Model state by input name: DTensors; plain tensors on one device; local shards when replaying."""
         self.local_only: set[str] = set()
+        self.contiguous_views: set[str] = set()
+        """Views whose input shard arrives with strides a view refuses: they view a contiguous copy."""
         self.nodes = [(op, name, _target(t) if op == "call_function" else t, a, k, i)
                       for op, name, t, a, k, i in records]
         self.reductions = {} if self.local else find_reductions(
@@ -393,6 +395,8 @@ class StageRunner:
 
     def _call_dtensor(self, st, resolved: tuple[tuple, dict]):
         args, kwargs = resolved
+        if st.name in self.contiguous_views:
+            return st.target(args[0].contiguous(), *args[1:], **kwargs)
         if st.name not in self.local_only:
             try:
                 return st.target(*args, **kwargs)
@@ -403,6 +407,7 @@ class StageRunner:
                 # the graph is functional, so viewing a contiguous copy gives the same values.
                 if st.target is not torch.ops.aten.view.default or "view size is not compatible" not in str(exc):
                     raise
+                self.contiguous_views.add(st.name)
                 return st.target(args[0].contiguous(), *args[1:], **kwargs)
         return self._run_replicated(st.target, args, kwargs)
 

@@ -85,13 +85,18 @@ def range_max(values: np.ndarray) -> np.ndarray:
     return out
 
 
-def stage_memory(persistent: float, in_flight: int, act: np.ndarray, kept: np.ndarray, chosen) -> float:
-    """Peak bytes per device of a stage recomputing the layers ``chosen`` (indices into the
-    per-microbatch arrays ``act`` / ``kept``; module docstring)."""
+def saved_and_peak(act: np.ndarray, kept: np.ndarray, chosen) -> tuple[float, float]:
+    """(bytes kept per microbatch in flight, bytes of the one layer rematerialized at a
+    time) of a stage recomputing the layers ``chosen`` (indices into the per-microbatch
+    arrays ``act`` / ``kept``; module docstring)."""
     r = np.zeros(len(act), dtype=bool)
     r[list(chosen)] = True
-    saved = float(np.where(r, kept, act).sum())
-    peak = float(np.max(np.where(r, act - kept, 0.0), initial=0.0))
+    return float(np.where(r, kept, act).sum()), float(np.max(np.where(r, act - kept, 0.0), initial=0.0))
+
+
+def stage_memory(persistent: float, in_flight: int, act: np.ndarray, kept: np.ndarray, chosen) -> float:
+    """Peak bytes per device of a stage recomputing the layers ``chosen`` (module docstring)."""
+    saved, peak = saved_and_peak(act, kept, chosen)
     return persistent + in_flight * saved + peak
 
 

@@ -62,7 +62,7 @@ import numpy as np
 from alpa_torch.errors import BatchSplitError, InfeasibleMemoryError, PlanError
 from alpa_torch.plan import SCHEDULES, ParallelPlan, StagePlan, graph_fingerprint, tile_submeshes
 
-from .checkpointing import Checkpointing, choose_layers, stage_memory
+from .checkpointing import Checkpointing, choose_layers, saved_and_peak
 from .dp import NoFeasiblePlanError, StageDPResult, solve_stage_dp
 from .layer_assign import LayerAssignment, assign_layers
 from .memory_sim import with_simulated_memory
@@ -460,8 +460,6 @@ def _choose_recompute(model, base, i, j, b, in_flight, budget, scale, *, full: b
     kept = np.array([c.kept_bytes for c in lcs]) / b
     pers = float(model.range_costs(base, scale).persistent_bytes[i, j])
     chosen = tuple(range(len(lcs))) if full else choose_layers(f, a, kept, pers, in_flight, budget)
-    r = np.zeros(len(lcs), dtype=bool)
-    r[list(chosen)] = True
-    act = float(np.where(r, kept, a).sum())
-    return (tuple(i + l for l in chosen), float(f[r].sum() - f.sum()), pers + float(np.max(np.where(r, a - kept, 0.0),
-            initial=0.0)), act, stage_memory(pers, in_flight, a, kept, chosen))
+    saved, peak = saved_and_peak(a, kept, chosen)
+    return (tuple(i + l for l in chosen), float(f[list(chosen)].sum() - f.sum()), pers + peak, saved,
+            pers + in_flight * saved + peak)

@@ -56,6 +56,7 @@ picks how each operator splits its work; the batch dim is the cheap one).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import operator
@@ -331,12 +332,18 @@ class StageCostModel:
                          recompute_s=recompute_s, kept_bytes=min(kept, sharding.activation_bytes),
                          overhead_fb_s=overhead_fb, latency_fb_s=latency_fb)
 
+    @functools.cached_property
+    def _recompute_nodes(self) -> dict[int, list[str]]:
+        """``recompute_nodes`` of every layer, in one pass over the graph (each layer's set
+        depends on that layer alone)."""
+        return recompute_nodes(self.graph, self.layers.layer_of, range(self.layers.num_layers))
+
     def _remat_parts(self, rep: int, instance, choice, mem) -> tuple[float, float]:
         """(recompute seconds, kept bytes) of layer ``rep`` under the ILP's ``choice``
         (``LayerCost``): the copied operators' compute and collectives and the resharding
         into them; the bytes of the values they read from outside the layer (forward
         values and batch inputs, not the persistent state)."""
-        copies = set(recompute_nodes(self.graph, self.layers.layer_of, (rep,)).get(rep, ()))
+        copies = set(self._recompute_nodes.get(rep, ()))
         index = {node.name: i for i, node in enumerate(instance.nodes)}
         t = [float(instance.nodes[i].compute_s[choice[i]] + instance.nodes[i].comm_s[choice[i]])
              for name, i in index.items() if name in copies]
