@@ -224,35 +224,48 @@ def block_ranges(n_layer: int, num_stages: int) -> list[tuple[int, int]]:
     return [(s * k, (s + 1) * k) for s in range(num_stages)]
 
 
-def _pipeline_worker(rank: int, world: int, port: int, cfg: BenchConfig, queue) -> None:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+def pipeline_rank(cfg: BenchConfig, rank: int, world: int, schedule: str = "1f1b"):
+    """(schedule, optimizer) of this rank's ``torch.distributed.pipelining`` stage: blocks
+    ``block_ranges(cfg.n_layer, world)[rank]``, ``cfg.microbatches`` microbatches."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    _init_rank(rank, world, port)
-    base = current_rss_mb()
     lo, hi = block_ranges(cfg.n_layer, world)[rank]
     module = _StageModule(build_model(cfg), lo, hi)
     opt = make_optimizer("adamw", module)
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
     # scale_grads=True (default): gradients are divided by the microbatch count,
     # so with a mean loss per microbatch they equal the full-batch gradient.
-    schedule = Schedule1F1B(stage, cfg.microbatches, loss_fn=lm_loss)
+    kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
+    return kind(stage, cfg.microbatches, loss_fn=lm_loss), opt
+
+
+def pipeline_step(schedule, opt, rank: int, world: int, idx: torch.Tensor, tgt: torch.Tensor) -> float | None:
+    """One training step of a pipeline rank; the mean microbatch loss on the last rank, else None."""
+    losses: list[torch.Tensor] = []
+    opt.zero_grad()
+    if rank == 0:
+        schedule.step(idx)
+    elif rank == world - 1:
+        schedule.step(target=tgt, losses=losses)
+    else:
+        schedule.step()
+    opt.step()
+    return float(torch.stack(losses).detach().mean()) if losses else None
+
+
+def _pipeline_worker(rank: int, world: int, port: int, cfg: BenchConfig, queue) -> None:
+    _init_rank(rank, world, port)
+    base = current_rss_mb()
+    schedule, opt = pipeline_rank(cfg, rank, world)
     times, first = [], None
     for step in range(cfg.steps):
         idx, tgt = global_batch(cfg, step)
-        losses: list[torch.Tensor] = []
         torch.distributed.barrier()
         t0 = time.perf_counter()
-        opt.zero_grad()
-        if rank == 0:
-            schedule.step(idx)
-        elif rank == world - 1:
-            schedule.step(target=tgt, losses=losses)
-        else:
-            schedule.step()
-        opt.step()
+        loss = pipeline_step(schedule, opt, rank, world, idx, tgt)
         times.append(time.perf_counter() - t0)
-        if step == 0 and losses:
-            first = float(torch.stack(losses).detach().mean())
+        if step == 0 and loss is not None:
+            first = loss
     _finish_rank(rank, world, times, first, base, queue)
 
 
@@ -274,6 +287,16 @@ def _spawn(worker, world: int, cfg: BenchConfig) -> dict:
     out = queue.get()
     out["step_s"] = median(out["per_step_s"][cfg.warmup_steps:])
     return out
+
+
+def select(ap, text: str, allowed, what: str) -> list[str]:
+    """The comma-separated names in ``text``, each one of ``allowed``; else ``ap.error``
+    naming the unknown ones (``what``: 'case', 'plan', ...)."""
+    names = [n for n in text.split(",") if n]
+    unknown = sorted(set(names) - set(allowed))
+    if unknown:
+        ap.error(f"unknown {what}(s) {unknown}; choose from {list(allowed)}")
+    return names
 
 
 def run_torch_ddp(cfg: BenchConfig, world: int) -> dict:

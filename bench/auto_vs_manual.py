@@ -66,7 +66,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from bench._common import BenchConfig, eager_reference, global_batch  # noqa: E402
+from bench._common import BenchConfig, eager_reference, global_batch, select  # noqa: E402
 from bench._plans import (Planner, cluster_summary, dumps, machine_info, plan_deployer,  # noqa: E402
                           profiled_cluster, run_on_workers, sharding_deployer, workload)
 
@@ -209,9 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reprofile", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    cases = [c for c in args.cases.split(",") if c]
-    if sorted(set(cases) - set(CASES)):
-        ap.error(f"unknown case(s) {sorted(set(cases) - set(CASES))}; choose from {CASES}")
+    cases = select(ap, args.cases, CASES, "case")
     torch.set_num_threads(1)
     from alpa_torch.cluster import Cluster
     from runtime.group import WorkerGroup

@@ -93,7 +93,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from bench._common import BenchConfig, eager_reference  # noqa: E402
+from bench._common import BenchConfig, eager_reference, select  # noqa: E402
 from bench._plans import (Planner, cluster_summary, dumps, machine_info, plan_deployer,  # noqa: E402
                           profiled_cluster, rel_err, run_on_workers, sharding_deployer, spearman,
                           stage_op_counts, workload)
@@ -327,10 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     table = CLUSTER_PLANS[args.cluster]
-    names = [p for p in (args.plans or ",".join(table)).split(",") if p]
-    unknown = sorted(set(names) - set(table))
-    if unknown:
-        ap.error(f"unknown plan(s) {unknown}; choose from {list(table)}")
+    names = select(ap, args.plans or ",".join(table), table, "plan")
     if args.timed_steps < 5:
         log.warning("--timed-steps %d < 5: the medians are noisier than the benchmark's protocol", args.timed_steps)
     torch.set_num_threads(1)

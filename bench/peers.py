@@ -55,8 +55,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from bench._common import (BenchConfig, _init_rank, _spawn, _StageModule, block_ranges, build_model,  # noqa: E402
-                           current_rss_mb, eager_reference, global_batch, max_rss_mb)
+from bench._common import (BenchConfig, _init_rank, _spawn, build_model, current_rss_mb,  # noqa: E402
+                           eager_reference, global_batch, max_rss_mb, pipeline_rank, pipeline_step, select)
 from bench._plans import dumps, machine_info, plan_deployer, profiled_cluster, run_on_workers, workload  # noqa: E402
 from tests.zoo import lm_loss, make_optimizer  # noqa: E402
 
@@ -179,29 +179,12 @@ def _tp_worker(rank, world, port, cfg, queue):
 
 
 def _pipe_worker(rank, world, port, cfg, queue, schedule="1f1b"):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
     _init_rank(rank, world, port)
     base = current_rss_mb()
-    lo, hi = block_ranges(cfg.n_layer, world)[rank]
-    module = _StageModule(build_model(cfg), lo, hi)
-    opt = make_optimizer("adamw", module)
-    stage = PipelineStage(module, rank, world, torch.device("cpu"))
-    kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
-    sched = kind(stage, cfg.microbatches, loss_fn=lm_loss)  # scale_grads: mean over microbatches
+    sched, opt = pipeline_rank(cfg, rank, world, schedule)
 
     def step(i):
-        idx, tgt = global_batch(cfg, i)
-        losses: list[torch.Tensor] = []
-        opt.zero_grad()
-        if rank == 0:
-            sched.step(idx)
-        elif rank == world - 1:
-            sched.step(target=tgt, losses=losses)
-        else:
-            sched.step()
-        opt.step()
-        return float(torch.stack(losses).detach().mean()) if losses else None
+        return pipeline_step(sched, opt, rank, world, *global_batch(cfg, i))
     times, losses = _timed_loop(cfg, step)
     _report(rank, world, times, losses, base, queue)
 
@@ -274,9 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reprofile", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    peers = [p for p in args.peers.split(",") if p]
-    if sorted(set(peers) - set(PEERS)):
-        ap.error(f"unknown peer(s) {sorted(set(peers) - set(PEERS))}; choose from {PEERS}")
+    peers = select(ap, args.peers, PEERS, "peer")
     torch.set_num_threads(1)
     cfg = BenchConfig(**(SMALL if args.small else FULL), warmup_steps=args.warmup_steps,
                       timed_steps=args.timed_steps, microbatches=args.microbatches)
