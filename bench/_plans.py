@@ -372,20 +372,11 @@ def _worker_rss(state: dict) -> float:
 
 
 def _heap_in_use() -> float:
-    """Bytes glibc's malloc has handed out and not got back (every arena, mmapped blocks
-    included): the live heap, without the freed pages RSS keeps; -1 without ``mallinfo2``."""
-    import ctypes
+    """``runtime.engine.heap_in_use_bytes``; -1 without glibc's ``mallinfo2``."""
+    from runtime.engine import heap_in_use_bytes
 
-    class _MallInfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = _MallInfo2
-    except (OSError, AttributeError):
-        return -1.0
-    info = libc.mallinfo2()
-    return float(info.uordblks + info.hblkhd)
+    value = heap_in_use_bytes()
+    return -1.0 if value is None else value
 
 
 def _worker_install_live_probe(state: dict) -> bool:

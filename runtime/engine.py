@@ -47,6 +47,24 @@ def keep_freed_memory() -> None:
         log.debug("mallopt unavailable: allocator left as is")
 
 
+def heap_in_use_bytes() -> float | None:
+    """Bytes glibc's malloc has handed out and not got back (every arena, mmapped blocks
+    included): the live heap, without the freed pages RSS keeps (``keep_freed_memory``).
+    None without glibc's ``mallinfo2``."""
+    import ctypes
+
+    class _MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+    except (OSError, AttributeError):
+        return None
+    info = libc.mallinfo2()
+    return float(info.uordblks + info.hblkhd)
+
+
 def _setup(state: dict, gm_bytes: bytes, sharding: dict, io: dict, ranks: list[int], mesh_shape) -> bool:
     import torch
 

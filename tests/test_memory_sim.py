@@ -5,7 +5,6 @@ heap the runtime's interpreter actually reaches (one device, in process, a few s
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import operator
 from types import SimpleNamespace
@@ -116,15 +115,11 @@ def test_views_share_their_input_storage():
 
 # ------------------------------------------------------------------ against the runtime
 def _mallinfo():
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = MallInfo2
-    except (OSError, AttributeError):
+    from runtime.engine import heap_in_use_bytes
+
+    if heap_in_use_bytes() is None:
         pytest.skip("needs glibc's mallinfo2")
-    return lambda: (lambda m: m.uordblks + m.hblkhd)(libc.mallinfo2())
+    return heap_in_use_bytes
 
 
 def test_simulated_peak_matches_the_runtimes_live_heap():
