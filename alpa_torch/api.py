@@ -245,8 +245,8 @@ class ParallelStep:
         return graph
 
     def _deploy(self):
-        self.engine, self._recomputed = deploy_plan(self.group, self.plan, self.run_graph, self.cluster)
-        return self.engine
+        engine, self._recomputed = deploy_plan(self.group, self.plan, self.run_graph, self.cluster)
+        return engine
 
     def _initial_state(self, model) -> dict[str, torch.Tensor]:
         params = dict(model.named_parameters())

@@ -108,8 +108,9 @@ class StagePlan:
     in_flight: int
     """Microbatches whose activations the stage holds at once (1F1B: stages after it + 1)."""
     memory_bytes: float
-    """Peak per device, the runtime's allocations simulated (``stage_dp.memory_sim``); for a
-    stage recomputing layers, persistent + in_flight × activation (the DP's rule)."""
+    """Peak per device, the runtime's allocations simulated (``stage_dp.memory_sim``; the
+    rewritten programs for a stage recomputing layers). The DP's own rule, persistent +
+    in_flight × activation, decided feasibility and can be lower."""
     recompute_layers: tuple[int, ...] = ()
     """Layers whose forward the backward recomputes (activation checkpointing,
     ``stage_dp.checkpointing``); their activations count as what they keep, and
