@@ -14,13 +14,15 @@ What keeps the per-step cost near eager PyTorch's:
   its last reader (liveness), so memory is given back during the step;
 - partial gradients the plan reduces are reduced in flat asynchronous buckets
   (``grad_buckets.py``), waited for by their first reader in the update;
-- (experimental, off unless ``ALPA_TORCH_REPLAY=1`` in the workers' environment)
-  the first step runs every operator through DTensor and records how it ran;
+- the first step runs every operator through DTensor and records how it ran;
   later steps replay that on local tensors (``replay.py``): the plan's
-  redistributions, then the plain kernel, or DTensor where the plain kernel
-  would not compute the same shard. Its safety check compares values on the
-  first step only, which is unsound (it computed wrong shards on some 2-D and
-  tensor-parallel plans), so it stays off until it decides from placements;
+  redistributions, then the kernel DTensor's own sharding rule runs on the
+  shards (decided from placements, so it holds whatever the values), or
+  DTensor itself where its dispatcher does more than one kernel (a random
+  operator, a redistribution inside the call, a custom handler). This takes
+  DTensor's ~80 us of Python per operator off every later step.
+  ``ALPA_TORCH_REPLAY=0`` in the workers' environment keeps DTensor for every
+  step (a debugging switch);
 - on a one-device mesh there is nothing to shard: operators run on plain
   tensors from the start (``self.local``); values become DTensors only where
   they cross to another stage (``pipeline.py``).
@@ -43,7 +45,6 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
-from torch.distributed.tensor.debug import CommDebugMode
 
 from intra_ilp.spec import ShardingSpec
 from intra_ilp.strategies import to_dtensor_placements
@@ -51,12 +52,12 @@ from intra_ilp.strategies import to_dtensor_placements
 from .grad_buckets import (BUCKET_CAP_BYTES, GradBuckets, deferred_wants, find_reductions, gather_replicated,
                            mesh_is_world, replicate_over_world)
 from .program import CALL, GET_ATTR, GETITEM, MARKER, OUTPUT, Program, Ref, compile_program
-from .replay import InputMeta, StepReplay, agree, check_local, meta_of, replay_args, to_local, wrap
+from .replay import InputMeta, StepReplay, agree, check_local, meta_of, run_local, to_local, wrap
 
 log = logging.getLogger(__name__)
 GRAD_MARKER_NAME = "alpa.grad.default"
-REPLAY = os.environ.get("ALPA_TORCH_REPLAY", "0") == "1"
-"""``ALPA_TORCH_REPLAY=1``: learn and replay operators on local tensors (experimental)."""
+REPLAY = os.environ.get("ALPA_TORCH_REPLAY", "1") != "0"
+"""``ALPA_TORCH_REPLAY=0``: every step runs every operator through DTensor (no replay)."""
 __all__ = ["GRAD_MARKER_NAME", "Ref", "StageRunner", "serialize_graph"]
 
 
@@ -117,12 +118,10 @@ class StageRunner:
         """A 2-D mesh of every rank: values partial / sharded over both axes become replicated in one
         collective over the default group, not one per axis (``grad_buckets.replicate_over_world``)."""
         self._constants: dict[str, Any] = {}
-        self.replaying = False
         self.replay_enabled = REPLAY
-        """Whether the first step learns a local replay (``replay.py``; off by default: replay
-        computed wrong shards for some tensor-parallel plans, e.g. a 'lean' GPT plan on 2
-        devices drifted by 1e-3 in 3 steps, and failed on 2-D meshes)."""
-        """After the first step: operators replayed on local tensors (``replay.py``)."""
+        """Whether the first step learns a replay on local tensors (``replay.py``)."""
+        self.replaying = False
+        """After the first step: operators replayed on local tensors."""
         self.replay: dict[str, StepReplay] = {}
         self.meta: dict[str, Any] = {}
         """Name -> ``ValueMeta`` of every value seen while learning."""
@@ -184,11 +183,15 @@ class StageRunner:
     def _gather_stores(self, stores: list[tuple]) -> dict[str, DTensor]:
         """New state computed sharded that the plan stores replicated (an update run on slices):
         all-gathered in flat buckets (``grad_buckets.gather_replicated``), by state name."""
-        if self.local or self.replaying:
+        if self.local:
             return {}
         todo = {}
         for kind, name, node, value in stores:
             want = self.value_specs.get(self.stored_node[(kind, name)], self.rep)
+            if self.replaying and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                if self.meta[node].placements == want:
+                    continue
+                value = wrap(value, self.meta[node], self.mesh)
             if (isinstance(value, DTensor) and value.placements != want
                     and all(isinstance(p, Replicate) for p in want)):
                 todo[name] = value
@@ -246,9 +249,10 @@ class StageRunner:
     def end_step(self) -> None:
         """After the first step: every device agrees on what runs locally, then replays."""
         if self.learning and self.replay_enabled:
-            safe = agree({n: rp.local_safe for n, rp in self.replay.items()}, self.mesh)
+            safe = agree({n: rp.call is not None for n, rp in self.replay.items()}, self.mesh)
             for n, rp in self.replay.items():
-                rp.local_safe = safe[n]
+                if not safe[n]:
+                    rp.call = None
             self.replaying = True
             self._state = {name: v.to_local() if isinstance(v, DTensor) else v for name, v in self._state.items()}
             log.info("replaying %d of %d operators on local tensors", sum(safe.values()), len(safe))
@@ -370,10 +374,9 @@ class StageRunner:
 
     def _call_learn(self, st, env: dict[str, Any]):
         values, metas = self._placed_inputs(st, env)
-        with CommDebugMode() as comm:
-            out = self._call_dtensor(st, st.resolve(values))
-        safe, size = check_local(st, values, out, comm.get_total_counts())
-        rp = StepReplay(tuple(metas), safe, size)
+        out = self._call_dtensor(st, st.resolve(values))
+        plain = st.name not in self.contiguous_views and st.name not in self.local_only
+        rp = StepReplay(tuple(metas), check_local(st, values, out) if plain else None)
         if st.name in self.replay:
             self.replay[st.name].merge(rp)
         else:
@@ -384,10 +387,10 @@ class StageRunner:
         rp = self.replay[st.name]
         values = [env[a] for a in st.inputs]
         for i, have, placements in rp.redistribute:
-            values[i] = wrap(values[i], have, self.mesh).redistribute(self.mesh, placements).to_local()
-        if rp.local_safe:
-            args, kwargs = replay_args(st, rp, values)
-            return st.target(*args, **kwargs)
+            value = values[i] if have is None else wrap(values[i], have, self.mesh)
+            values[i] = self._place(value, placements).to_local()
+        if rp.call is not None:
+            return run_local(rp.call, *st.resolve(values))
         for i, m in enumerate(rp.inputs):
             if m is not None:
                 values[i] = wrap(values[i], m.placed or m.have, self.mesh)

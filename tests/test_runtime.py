@@ -177,14 +177,83 @@ def _graph(name, opt="adamw"):
     return capture(train_step, model, make_optimizer(opt, model), make_batch(name, 8, seed=0))
 
 
+def _replay_counts(state):
+    runner = state["runner"]
+    return {"replaying": runner.replaying, "operators": len(runner.replay),
+            "local": sum(rp.call is not None for rp in runner.replay.values())}
+
+
 @pytest.mark.parametrize("name", ["gpt", "mlp"])
 def test_pure_data_parallel_on_2x2(name):
-    """Batch split 4 ways, weights and optimizer state replicated: gradients all-reduced."""
+    """Batch split 4 ways, weights and optimizer state replicated: gradients all-reduced.
+    After the first step nearly every operator runs as a plain kernel on local shards
+    (``replay.py``); steps 2 and 3 still equal eager."""
     cluster = Cluster.local(2, 2)
     mesh = MeshCost.from_cluster(cluster, (2, 2), (1, 4))
     force = _force(_graph(name), "RS(0)")
-    sharding = run_case(name, cluster, mesh, force=force)
+    probe = {"install": lambda state: True, "read": _replay_counts}
+    sharding = run_case(name, cluster, mesh, force=force, probe=probe)
     assert all(not str(v).count("S") for k, v in sharding.value_specs.items() if k.startswith("grad"))
+    for rank in probe["result"]:
+        assert rank["replaying"] and rank["local"] >= 0.95 * rank["operators"], rank
+
+
+def _local_call_check(state):
+    """On every rank of a 1-D mesh of 4: which calls replay as one local kernel, and their results."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from runtime.replay import local_call, run_local
+
+    aten = torch.ops.aten
+    mesh = DeviceMesh("cpu", torch.arange(dist.get_world_size()))
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(8, 6, generator=gen), torch.randn(6, 5, generator=gen)
+    a0 = distribute_tensor(a, mesh, [Shard(0)], src_data_rank=None)
+    a1 = distribute_tensor(a, mesh, [Shard(1)], src_data_rank=None) if a.shape[1] % 4 == 0 else None
+    b_rep = distribute_tensor(b, mesh, [Replicate()], src_data_rank=None)
+    cases = {
+        "mm S0 x R": (aten.mm.default, (a0, b_rep), {}),
+        "view S0": (aten.view.default, (a0, [8, 3, 2]), {}),
+        "sum over S0 (partial)": (aten.sum.dim_IntList, (a0, [0]), {}),
+        "cat S0": (aten.cat.default, ([a0, a0], 1), {}),
+        "mm R x R": (aten.mm.default, (distribute_tensor(a, mesh, [Replicate()]), b_rep), {}),
+        "mm P x R (redistributes)": (aten.mm.default, (
+            DTensor.from_local(a, mesh, [Partial()], run_check=False),
+            distribute_tensor(torch.randn(6, 8, generator=gen), mesh, [Shard(1)], src_data_rank=None)), {}),
+        "dropout (random)": (aten.native_dropout.default, (a0, 0.5, True), {}),
+        "equal (scalar result)": (aten.equal.default, (a0, a0), {}),
+        "add_ (mutating)": (aten.add_.Tensor, (a0.clone(), a0), {}),
+    }
+    assert a1 is None
+    out = {}
+    for name, (op, args, kwargs) in cases.items():
+        call = local_call(op, args, kwargs)
+        out[name] = call is not None
+        if call is None:
+            continue
+        want = op(*args, **kwargs)
+        local = [v.to_local() if isinstance(v, DTensor) else v for v in args]
+        local = [[x.to_local() for x in v] if isinstance(v, list) and isinstance(v[0], DTensor) else v
+                 for v in local]
+        got = run_local(call, tuple(local), {})
+        assert torch.equal(got, want.to_local()), name
+        if name == "view S0":
+            assert list(call.template[1]) == [2, 3, 2], str(call.template)  # the global size made local
+    return out
+
+
+def test_local_call_follows_dtensor_rules():
+    """``replay.local_call``: one local kernel exactly where DTensor's rule redistributes nothing
+    and its dispatcher adds nothing; the kernel's result is DTensor's local result."""
+    from runtime.group import WorkerGroup
+
+    with WorkerGroup.start(Cluster.local(1, 4)) as group:
+        results = group.call_all(_local_call_check)
+    assert results == [{"mm S0 x R": True, "view S0": True, "sum over S0 (partial)": True, "cat S0": True,
+                        "mm R x R": True, "mm P x R (redistributes)": False, "dropout (random)": False,
+                        "equal (scalar result)": False, "add_ (mutating)": False}] * 4
 
 
 @pytest.mark.parametrize("name", ["gpt", "mlp"])
