@@ -167,13 +167,15 @@ def deferred_wants(reductions: dict[str, GradReduction], input_specs: dict) -> d
 
 
 class _Bucket:
-    __slots__ = ("placements", "names", "locals", "shapes", "nbytes", "flat", "work", "axes_left", "done")
+    __slots__ = ("placements", "names", "locals", "shapes", "numel", "nbytes", "flat", "work", "axes_left", "done")
 
     def __init__(self, placements: tuple):
         self.placements = placements
         self.names: list[str] = []
         self.locals: list[torch.Tensor] = []
         self.shapes: list[torch.Size] = []
+        self.numel = 0
+        """Elements so far: where the next member starts in ``flat``."""
         self.nbytes = 0
         self.flat: torch.Tensor | None = None
         self.work = None
@@ -192,7 +194,7 @@ class GradBuckets:
         # and the mesh is the whole world (no new process group needed: creating one is collective).
         self._world = dist.get_world_size() == mesh.size()
         self._open: dict[tuple, _Bucket] = {}
-        self._of: dict[str, tuple[_Bucket, int, torch.Size]] = {}
+        self._of: dict[str, tuple[_Bucket, int, torch.Size, int]] = {}
         self._pending = 0
         self.scale = 1
         self.collectives = 0
@@ -217,7 +219,8 @@ class GradBuckets:
         bucket = self._open.get(key)
         if bucket is None:
             bucket = self._open[key] = _Bucket(placements)
-        self._of[name] = (bucket, len(bucket.names), shape)
+        self._of[name] = (bucket, len(bucket.names), shape, bucket.numel)
+        bucket.numel += local.numel()
         bucket.names.append(name)
         bucket.locals.append(local)
         bucket.shapes.append(local.shape)
@@ -259,26 +262,28 @@ class GradBuckets:
             bucket.flat.div_(self.scale)
         bucket.done = True
 
-    def take(self, name: str):
-        """The reduced gradient ``name`` (waits for its bucket): R, or S(d) where the plan wants it."""
-        bucket, i, gshape = self._of.pop(name)
+    def take(self, name: str, local: bool = False):
+        """The reduced gradient ``name`` (waits for its bucket): R, or S(d) where the plan wants it;
+        with ``local``, this device's tensor of it (what a replaying runner keeps)."""
+        bucket, i, gshape, offset = self._of.pop(name)
         if not bucket.done:
             self._complete(bucket)
-        offset = sum(math.prod(s) for s in bucket.shapes[:i])
         shape = bucket.shapes[i]
         piece = bucket.flat[offset:offset + math.prod(shape)].view(shape)
         red = self.reductions[name]
         reduced = list(bucket.placements)
         for a in red.axes:
             reduced[a] = Replicate()
-        stride = tuple(math.prod(gshape[k + 1:]) for k in range(len(gshape)))
-        out = DTensor.from_local(piece, self.mesh, tuple(reduced), run_check=False, shape=gshape, stride=stride)
         target = list(reduced)
         for a, p in zip(red.axes, red.target):
             target[a] = p
-        if tuple(target) != tuple(reduced):
+        if local and target == reduced:
+            return piece
+        stride = tuple(math.prod(gshape[k + 1:]) for k in range(len(gshape)))
+        out = DTensor.from_local(piece, self.mesh, tuple(reduced), run_check=False, shape=gshape, stride=stride)
+        if target != reduced:
             out = out.redistribute(self.mesh, tuple(target))  # R -> S(d): this device's chunk, no communication
-        return out
+        return out.to_local() if local else out
 
     def has(self, name: str) -> bool:
         return name in self._of
@@ -286,7 +291,7 @@ class GradBuckets:
     def finish(self) -> None:
         """End of step: complete buckets nobody read, forget this step's gradients."""
         self.flush()
-        for bucket, _, _ in list(self._of.values()):
+        for bucket, *_ in list(self._of.values()):
             if not bucket.done:
                 self._complete(bucket)
         self._of.clear()
@@ -331,8 +336,9 @@ def replicate_over_world(value: DTensor, mesh) -> DTensor | None:
     return DTensor.from_local(out, mesh, (Replicate(),) * mesh.ndim, run_check=False)
 
 
-def gather_replicated(mesh, values: dict[str, DTensor]) -> dict[str, DTensor]:
-    """``values`` (sharded) as all-``Replicate`` DTensors, one flat all-gather per placements.
+def gather_replicated(mesh, values: dict[str, DTensor], local: bool = False) -> dict[str, DTensor | torch.Tensor]:
+    """``values`` (sharded) as all-``Replicate`` DTensors (``local``: their full tensors), one flat
+    all-gather per placements.
 
     A plan that updates replicated state on shards (each device computes a slice
     of the new weights) stores the results replicated: run literally, one
@@ -380,5 +386,5 @@ def gather_replicated(mesh, values: dict[str, DTensor]) -> dict[str, DTensor]:
                 full[name][index] = gathered[offset:offset + numel].view(shape)
                 offset += numel
         for name, t in full.items():
-            out[name] = DTensor.from_local(t, mesh, rep, run_check=False)
+            out[name] = t if local else DTensor.from_local(t, mesh, rep, run_check=False)
     return out

@@ -52,7 +52,7 @@ from intra_ilp.strategies import to_dtensor_placements
 from .grad_buckets import (BUCKET_CAP_BYTES, GradBuckets, deferred_wants, find_reductions, gather_replicated,
                            mesh_is_world, replicate_over_world)
 from .program import CALL, GET_ATTR, GETITEM, MARKER, OUTPUT, Program, Ref, compile_program
-from .replay import InputMeta, StepReplay, agree, check_local, meta_of, run_local, to_local, wrap
+from .replay import InputMeta, StepReplay, agree, check_local, compile_local, meta_of, run_local, to_local, wrap
 
 log = logging.getLogger(__name__)
 GRAD_MARKER_NAME = "alpa.grad.default"
@@ -123,6 +123,8 @@ class StageRunner:
         self.replaying = False
         """After the first step: operators replayed on local tensors."""
         self.replay: dict[str, StepReplay] = {}
+        self._replayers: dict[str, Callable[[dict], Any]] = {}
+        """Name -> ``env -> value`` of each replayed operator, built at its first replay."""
         self.meta: dict[str, Any] = {}
         """Name -> ``ValueMeta`` of every value seen while learning."""
         self.program = self.compile(self.nodes, collect=True)
@@ -180,9 +182,10 @@ class StageRunner:
         value = self._place(value, want)
         self._state[name] = value.to_local() if self.replaying else value
 
-    def _gather_stores(self, stores: list[tuple]) -> dict[str, DTensor]:
+    def _gather_stores(self, stores: list[tuple]) -> dict[str, DTensor | torch.Tensor]:
         """New state computed sharded that the plan stores replicated (an update run on slices):
-        all-gathered in flat buckets (``grad_buckets.gather_replicated``), by state name."""
+        all-gathered in flat buckets (``grad_buckets.gather_replicated``), by state name (local
+        tensors when replaying)."""
         if self.local:
             return {}
         todo = {}
@@ -195,7 +198,7 @@ class StageRunner:
             if (isinstance(value, DTensor) and value.placements != want
                     and all(isinstance(p, Replicate) for p in want)):
                 todo[name] = value
-        return gather_replicated(self.mesh, todo) if todo else {}
+        return gather_replicated(self.mesh, todo, local=self.replaying) if todo else {}
 
     def gather_state(self) -> dict[str, np.ndarray]:
         """Full values of this runner's state (a collective among its mesh's devices)."""
@@ -232,7 +235,10 @@ class StageRunner:
             stores.append((kind, name, node, value))
         gathered = self._gather_stores(stores)
         for kind, name, node, value in stores:
-            self.store(kind, name, node, gathered.get(name, value))
+            if name in gathered:  # replicated, as stored (a local tensor when replaying)
+                self._state[name] = gathered[name]
+            else:
+                self.store(kind, name, node, value)
         self.end_step()
         return float(loss)
 
@@ -330,10 +336,10 @@ class StageRunner:
     def _collect(self, names: tuple[str, ...], env: dict) -> None:
         for name in names:
             if self.buckets.has(name):
-                value = self.buckets.take(name)
+                value = self.buckets.take(name, local=self.replaying)
                 if self.learning and self.replay_enabled:
                     self.meta[name] = meta_of(value)
-                env[name] = value.to_local() if self.replaying else value
+                env[name] = value
 
     def _constant(self, st):
         if self.local or self.replaying:
@@ -384,17 +390,37 @@ class StageRunner:
         return out
 
     def _call_replay(self, st, env: dict[str, Any]):
+        fn = self._replayers.get(st.name)
+        if fn is None:
+            rp = self.replay[st.name]
+            fast = compile_local(rp.call, st) if rp.call is not None and not rp.redistribute else None
+            fn = self._replayers[st.name] = fast or (lambda env: self._replay(st, env))
+        return fn(env)
+
+    def _replay(self, st, env: dict[str, Any]):
+        """One operator replayed: the plan's redistributions, then the local kernel, or DTensor."""
         rp = self.replay[st.name]
         values = [env[a] for a in st.inputs]
         for i, have, placements in rp.redistribute:
-            value = values[i] if have is None else wrap(values[i], have, self.mesh)
-            values[i] = self._place(value, placements).to_local()
+            values[i] = self._redistribute_local(values[i], have, placements)
         if rp.call is not None:
             return run_local(rp.call, *st.resolve(values))
         for i, m in enumerate(rp.inputs):
             if m is not None:
                 values[i] = wrap(values[i], m.placed or m.have, self.mesh)
         return to_local(self._call_dtensor(st, st.resolve(values)))
+
+    def _redistribute_local(self, local: torch.Tensor, have, placements: tuple) -> torch.Tensor:
+        """This device's tensor of ``local`` (placed as ``have``; None: replicated) redistributed to
+        ``placements``. Replicated to sharded on one mesh axis is a local chunk: DTensor's own
+        ``Shard._replicate_to_shard``, without wrapping; anything else goes through DTensor."""
+        if have is None or all(p.is_replicate() for p in have.placements):
+            split = [(axis, p) for axis, p in enumerate(placements) if not p.is_replicate()]
+            if len(split) == 1 and split[0][1].is_shard():
+                axis, shard = split[0]
+                return shard._replicate_to_shard(local, self.mesh, axis, self.mesh.get_local_rank(axis))
+        value = local if have is None else wrap(local, have, self.mesh)
+        return self._place(value, placements).to_local()
 
     def _call_dtensor(self, st, resolved: tuple[tuple, dict]):
         args, kwargs = resolved

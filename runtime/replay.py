@@ -38,6 +38,7 @@ the environment.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -182,6 +183,45 @@ def run_local(call: LocalCall, args: tuple, kwargs: dict):
     for i in call.tensors:
         out[i] = flat[i]
     return call.op(*(pytree.tree_unflatten(out, call.tree) if call.tree is not None else out), **kwargs)
+
+
+class _Slot:
+    """Stands for input ``i`` of a record while its argument layout is worked out."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int):
+        self.i = i
+
+
+def compile_local(call: LocalCall, st) -> Callable[[dict], Any] | None:
+    """``env -> result`` of ``call`` for the compiled record ``st``, in one closure: the
+    kernel itself (no ``OpOverload`` wrapper) on the template with this step's local
+    tensors put in, read straight from the environment. None when a tensor is passed by
+    keyword or sits where no input reference is (``run_local`` then does the general thing)."""
+    args, kwargs = st.resolve([_Slot(i) for i in range(len(st.inputs))])
+    if any(isinstance(v, _Slot) for v in pytree.tree_leaves(kwargs)):
+        return None
+    flat = pytree.tree_leaves(args) if call.tree is not None else args
+    if not all(i < len(flat) and isinstance(flat[i], _Slot) for i in call.tensors):
+        return None
+    fill = tuple((i, st.inputs[flat[i].i]) for i in call.tensors)
+    template, tree, kw = list(call.template), call.tree, dict(kwargs)
+    op = getattr(call.op, "_op", call.op)  # the C++ callable behind OpOverload.__call__
+
+    if tree is None:
+        def run(env: dict):
+            out = template.copy()
+            for i, name in fill:
+                out[i] = env[name]
+            return op(*out, **kw)
+    else:
+        def run(env: dict):
+            out = template.copy()
+            for i, name in fill:
+                out[i] = env[name]
+            return op(*pytree.tree_unflatten(out, tree), **kw)
+    return run
 
 
 def check_local(st, placed: list, result) -> LocalCall | None:
