@@ -98,9 +98,10 @@ class DeviceSpec:
     top of its roofline time: framework dispatch and the kernel launch (a few microseconds
     on a GPU). ``Cluster.profile`` measures it on the workers (a chain of tiny operators)."""
     sharded_op_overhead_s: float = 5e-6
-    """The same on a multi-device mesh, where the runtime runs operators on DTensors
-    (sharding propagation, wrapping the local result): tens of microseconds of CPU per
-    operator, hidden behind the kernels on a GPU, not on a CPU device."""
+    """The same on a multi-device mesh. The runtime runs the first step on DTensors (tens of
+    microseconds of sharding propagation per operator) and replays later steps as the
+    local kernels DTensor's rules imply (``runtime/replay.py``), so in steady state this
+    is a plain call plus the replay's bookkeeping (~1 us)."""
 
     def __post_init__(self) -> None:
         owner = f"DeviceSpec({self.name!r})"
@@ -173,10 +174,11 @@ DEVICE_SPECS: dict[str, DeviceSpec] = {
     # bf16/fp16 are not listed: mixed precision is priced at the float32 rate
     # unless Cluster.profile measured them (it times bfloat16 matmuls too).
     # Operator overheads measured on the development machine (torch 2.13, one thread, tiny
-    # tensors): ~1.5 us per plain aten call, ~35 us per DTensor call.
+    # tensors): ~1.5 us per plain aten call; ~35 us per DTensor call, which only the first
+    # step pays (later steps replay local kernels: about a plain call's cost).
     "cpu": DeviceSpec(name="cpu", peak_flops={"float32": 50e9}, memory_bandwidth_bytes_per_s=10e9,
                       memory_bytes=_host_memory_bytes(), compute_efficiency=1.0,
-                      op_overhead_s=2e-6, sharded_op_overhead_s=40e-6),
+                      op_overhead_s=2e-6, sharded_op_overhead_s=3e-6),
     # NVIDIA Tesla V100 SXM2 datasheet: FP32 15.7, tensor FP16 125 TFLOP/s, HBM2 900 GB/s.
     # No bf16 tensor cores: bfloat16 falls back to the float32 peak.
     "v100-16gb": DeviceSpec(name="v100-16gb", peak_flops={"float32": 15.7 * _TERA, "float16": 125 * _TERA},

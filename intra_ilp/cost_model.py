@@ -130,10 +130,10 @@ class MeshCost:
     """Multiplier on β for all-to-all."""
     op_overhead_s: float = 0.0
     """Fixed seconds every operator execution costs on one device of this mesh besides its
-    roofline time (dispatch, kernel launch; DTensor's sharding propagation on a multi-device
-    mesh): ``operator_s`` adds it. ``from_cluster`` takes the device's ``op_overhead_s`` for a
-    one-device mesh, ``sharded_op_overhead_s`` otherwise (the runtime runs plain tensors on one
-    device, DTensors on several)."""
+    roofline time (dispatch, kernel launch; on a multi-device mesh the runtime's replay of
+    the local kernels): ``operator_s`` adds it. ``from_cluster`` takes the device's
+    ``op_overhead_s`` for a one-device mesh, ``sharded_op_overhead_s`` otherwise (the runtime
+    runs plain tensors on one device, replayed DTensor decisions on several)."""
 
     def __post_init__(self) -> None:
         # Coerce lists to tuples so the object stays hashable (it keys caches).

@@ -28,7 +28,8 @@ What is measured, on all workers at once (every device busy, as in a step):
   median of ``repeats``), once on plain tensors
   (``DeviceSpec.op_overhead_s``: the runtime's path on a one-device mesh) and once on
   DTensors sharded over a mesh of all the workers (``sharded_op_overhead_s``: the
-  path on a multi-device mesh: DTensor dispatch and sharding propagation);
+  path on a multi-device mesh as later steps take it, after a first step that learns
+  the replay: ``runtime/replay.py``);
 * collectives for each message size ``b`` in ``sizes_bytes``, on the groups a
   mesh axis uses: *intra* = the devices of one host (every host at once),
   *inter* = local device i of every host (every i at once). After a warm-up
@@ -39,7 +40,8 @@ What is measured, on all workers at once (every device busy, as in a step):
 
 The collectives are timed twice: as above (each call right after a barrier, every rank
 idle: the link itself), and *busy*: each rank first runs ``BUSY_OPS_BETWEEN`` DTensor
-operators through the interpreter, then calls the collective without a barrier, as in a
+operators through the interpreter (and, on CPU devices, ``BUSY_WORK_S`` of matmuls: a
+step's compute per collective), then calls the collective without a barrier, as in a
 step, so the call also waits for ranks the OS descheduled (on 4 devices sharing 2 cores
 that wait is most of a small collective's cost). With ``busy_window_s`` > 0 the busy
 fits price the links (the idle ones stay in ``profiled['idle_links']``).
@@ -249,6 +251,15 @@ def _busy_copy_bandwidth(device: torch.device, nbytes: int | None, window_s: flo
 BUSY_OPS_BETWEEN = 24
 """DTensor operators each rank runs before each collective of the busy link measurement
 (about a step's operators per collective on a sharded GPT stage: 1,200 for 50)."""
+BUSY_WORK_S = 0.008
+"""Compute each rank does (as matmuls, at its all-busy rate) before each collective of the busy
+link measurement, besides ``BUSY_OPS_BETWEEN``: a step's compute per collective on a sharded
+GPT stage (0.33 s of operators for 40 collectives in ``bench/fidelity.py``'s one-stage plans).
+With devices sharing cores the ranks drift apart by up to a scheduler time slice over that
+much work, and a collective waits for the last of them: a wait that 24 replayed operators
+(~0.1 ms) would not show."""
+BUSY_MATMUL_N = 128
+"""Side of the square matmuls of ``BUSY_WORK_S``."""
 OP_CHAIN_LENGTHS = (40, 200)
 """Operators in the short and the long chain ``_op_overhead`` times (multiples of 4)."""
 
@@ -316,8 +327,8 @@ def _op_overhead(device: torch.device, repeats: int, window_s: float = 0.0) -> d
     """Seconds per operator execution through the runtime's interpreter (``StageRunner.run``:
     argument resolution, liveness, input placement checks, the call), every worker at once,
     on tiny tensors (their roofline time is ~0): 'local' on a one-device mesh (plain
-    tensors), 'sharded' with every value S(0) over a mesh of all the workers (DTensors: their
-    dispatch and sharding propagation; no communication). With ``window_s`` > 0: the
+    tensors), 'sharded' with every value S(0) over a mesh of all the workers (DTensor on the
+    first run, then timed as replayed, as every step after the first; no communication). With ``window_s`` > 0: the
     inverse of the operator rate sustained over windows of that length (``_busy_rate``,
     the longer chain of ``OP_CHAIN_LENGTHS``), so time slices lost to other processes count
     as they do in a step; else the slope between the two chains, median of ``repeats``
@@ -452,8 +463,18 @@ def _measure(state: dict[str, Any], plan: _Plan) -> dict[str, Any]:
     result["links"] = {kind: _link_times(state, groups, plan) for kind, groups in plan.groups.items()}
     if plan.busy_window_s > 0 and plan.groups:
         world = dist.get_world_size()
-        work = _chain_runner(BUSY_OPS_BETWEEN, torch.ones(4 * world, 4, device=device),
-                             DeviceMesh(device.type, torch.arange(world).view(world, 1)), "S(0)R")
+        chain = _chain_runner(BUSY_OPS_BETWEEN, torch.ones(4 * world, 4, device=device),
+                              DeviceMesh(device.type, torch.arange(world).view(world, 1)), "S(0)R")
+        rate = result["busy_matmul_flops_per_s"]["float32"]
+        a = torch.ones(BUSY_MATMUL_N, BUSY_MATMUL_N, device=device)
+        # CPU devices only: GPUs do not share cores (and would need ~10^5 such matmuls)
+        n_mm = max(1, round(BUSY_WORK_S * rate / (2 * BUSY_MATMUL_N**3))) if device.type == "cpu" else 0
+
+        def work():
+            chain()
+            for _ in range(n_mm):
+                torch.mm(a, a)
+
         result["busy_links"] = {kind: _link_times(state, groups, plan, between=work)
                                 for kind, groups in plan.groups.items()}
     return result
@@ -541,6 +562,7 @@ def _calibrated(cluster: Cluster, results: list[dict[str, Any]], plan: _Plan) ->
     if idle_links is not None:
         profiled["idle_links"] = idle_links
         profiled["busy_ops_between"] = BUSY_OPS_BETWEEN
+        profiled["busy_work_s"] = BUSY_WORK_S
     if overheads:
         profiled["op_overhead_s"] = overheads | {"chain_lengths": list(OP_CHAIN_LENGTHS), "per_rank": [
             [r["op_overhead_s"]["local"], r["op_overhead_s"]["sharded"]] for r in results]}

@@ -226,7 +226,7 @@ def test_operator_overheads_are_validated_and_default_to_a_kernel_launch():
 
     assert DEVICE_SPECS["a100-80gb"].op_overhead_s == DEVICE_SPECS["a100-80gb"].sharded_op_overhead_s == 5e-6
     cpu = DEVICE_SPECS["cpu"]
-    assert cpu.sharded_op_overhead_s > cpu.op_overhead_s > 0  # DTensor dispatch costs more than a plain call
+    assert cpu.sharded_op_overhead_s > cpu.op_overhead_s > 0  # the replay's bookkeeping on top of a plain call
     for bad in (-1e-6, math.inf, "1us"):
         with pytest.raises(ClusterSpecError, match="op_overhead_s"):
             DeviceSpec(name="x", peak_flops={"float32": 1e12}, memory_bandwidth_bytes_per_s=1e11,
