@@ -11,6 +11,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -38,9 +39,16 @@ def test_demo_runs_as_a_ray_job(tmp_path):
                     "--include-dashboard", "true", "--disable-usage-stats"], env, 120)
     assert started.returncode == 0, started.stderr[-2000:]
     try:
-        job = _ray(["job", "submit", "--address", f"http://127.0.0.1:{dash}", "--working-dir", ".", "--",
-                    "python", "examples/train_gpt.py", "--steps", "3", "--check"], env, 600)
-        out = job.stdout + job.stderr
+        # The head's job agent starts a few seconds after `ray start` returns; until then a
+        # submission is refused ("No available agent to submit job") and nothing was created.
+        deadline = time.monotonic() + 90
+        while True:
+            job = _ray(["job", "submit", "--address", f"http://127.0.0.1:{dash}", "--working-dir", ".", "--",
+                        "python", "examples/train_gpt.py", "--steps", "3", "--check"], env, 600)
+            out = job.stdout + job.stderr
+            if job.returncode == 0 or "No available agent" not in out or time.monotonic() > deadline:
+                break
+            time.sleep(3)
         assert job.returncode == 0, out[-3000:]
         losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", out)]
         assert len(losses) == 3 and all(0 < v < 10 for v in losses), out[-3000:]
