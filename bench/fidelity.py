@@ -69,7 +69,10 @@ A plan that fails to plan or run prints ``error`` and is left out of the statist
 times) and ``capacity_step_s = max(step_s, device_s / cores)``: on
 ``Cluster.local`` the "devices" are processes sharing this machine's cores, so
 a step cannot beat its total work over the cores; the summary's
-``what_if_capacity`` gives its Spearman and error next to the planner's.
+``what_if_capacity`` gives its Spearman and error next to the planner's. A second
+what-if, ``fill_drain_step_s`` (``fill_drain``; summary ``what_if_fill_drain``): Alpa's
+eq. 2 with the pipeline's fill and drain priced at the rate of the devices running
+then (a stage alone on a host gets the cores the others leave).
 
 The LAST line: ``spearman`` (rank correlation of predicted and measured step
 times), ``median_rel_err_time``, ``median_rel_err_mem`` (fractions), the
@@ -84,6 +87,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import statistics
 import sys
@@ -159,7 +163,22 @@ def capacity(step_s: float, device_s: float) -> dict:
     return {"device_s": round(device_s, 5), "capacity_step_s": round(max(step_s, device_s / cores), 5)}
 
 
-def predicted(plan, graph) -> dict:
+def fill_drain(plan, machine_devices: int) -> float:
+    """A what-if predictor, not the planner's: Alpa's eq. 2, ``T = Σ_k t_k + (B-1) max_k t_k``,
+    with the fill and drain part (``Σ_k t_k``) priced at the rate of the devices that run
+    then. The planner prices every device at the rate measured with all devices busy; with
+    devices sharing this machine's cores (``Cluster.local`` puts every virtual host here), a
+    stage running while the others wait in the fill or drain gets the freed cores: ``t_k``
+    scales by ``min(1, cores / D) / min(1, cores / n_k)`` (``D`` devices on the machine,
+    ``n_k`` in stage k). 1 where no cores are shared (``D <= cores``) and for a stage on
+    every device."""
+    cores = os.cpu_count() or 1
+    busy = min(1.0, cores / machine_devices)
+    saved = math.fsum((1.0 - busy / min(1.0, cores / s.num_devices)) * s.time_s for s in plan.stages)
+    return plan.predicted_step_s - saved
+
+
+def predicted(plan, graph, machine_devices: int) -> dict:
     if not hasattr(plan, "stages"):  # a StageSharding: one stage, B = 1, the ILP's own figures
         from stage_dp.memory_sim import simulate_stage
 
@@ -174,7 +193,8 @@ def predicted(plan, graph) -> dict:
         return {"step_s": round(s.total_s, 5), "compute_s": round(s.compute_s, 5),
                 "communication_s": round(s.comm_s + s.reshard_s, 5), "bubble_s": 0.0,
                 "peak_memory_mb": round(mem / _MiB, 2), "num_microbatches": 1, "schedule": None,
-                **capacity(s.total_s, devices * s.total_s), "stages": [stage]}
+                **capacity(s.total_s, devices * s.total_s), "fill_drain_step_s": round(s.total_s, 5),
+                "stages": [stage]}
     ops = stage_op_counts(plan, graph)
     stages = [{"layers": [s.layer_start, s.layer_end], "devices": list(s.device_ids),
                "mesh": list(s.logical_mesh), "time_s": round(s.time_s, 5), "compute_s": round(s.compute_s, 5),
@@ -187,7 +207,8 @@ def predicted(plan, graph) -> dict:
     return {"step_s": round(plan.predicted_step_s, 5), "compute_s": round(plan.compute_s, 5),
             "communication_s": round(plan.communication_s, 5), "bubble_s": round(plan.bubble_s, 5),
             "peak_memory_mb": round(plan.peak_memory_bytes / _MiB, 2), "num_microbatches": plan.num_microbatches,
-            "schedule": plan.schedule, **capacity(plan.predicted_step_s, busy), "stages": stages}
+            "schedule": plan.schedule, **capacity(plan.predicted_step_s, busy),
+            "fill_drain_step_s": round(fill_drain(plan, machine_devices), 5), "stages": stages}
 
 
 def measured(res: dict) -> dict:
@@ -251,7 +272,7 @@ def run_plan(name: str, planner: Planner, wl, cluster, eager: dict, args) -> dic
     is_plan = hasattr(plan, "stages")
     line = {"plan": name, "summary": plan.summary() if is_plan else f"B=1 all@{args.cluster}/{plan.mesh_shape[0]}x"
             f"{plan.mesh_shape[1]} forced {spec[0]}", "plan_s": round(time.perf_counter() - t0, 2),
-            "predicted": predicted(plan, wl.graph)}
+            "predicted": predicted(plan, wl.graph, cluster.num_devices)}
     try:
         deploy = plan_deployer(plan, wl, cluster) if is_plan else sharding_deployer(wl, plan)
         res = run_on_workers(cluster, deploy, wl, warmup=args.warmup_steps, timed=args.timed_steps,
@@ -290,6 +311,10 @@ def summary(lines: list[dict], cluster, cfg: BenchConfig, t_start: float) -> dic
             "spearman": round(spearman(cap, meas), 4),
             "spearman_device_s": round(spearman([ln["predicted"]["device_s"] for ln in ok], meas), 4),
             "median_rel_err_time": round(statistics.median(rel_err(c, m) for c, m in zip(cap, meas)), 4)}
+        fd = [ln["predicted"]["fill_drain_step_s"] for ln in ok]
+        out["what_if_fill_drain"] = {  # ``fill_drain``: not the planner's prediction either
+            "spearman": round(spearman(fd, meas), 4),
+            "median_rel_err_time": round(statistics.median(rel_err(f, m) for f, m in zip(fd, meas)), 4)}
         live = [ln for ln in ok if "rel_err_mem_live" in ln]
         if live:  # against the live heap instead of RSS (module docstring)
             out["median_rel_err_mem_live"] = round(statistics.median(ln["rel_err_mem_live"] for ln in live), 4)
