@@ -34,8 +34,14 @@ def test_demo_runs_as_a_ray_job(tmp_path):
     env = {**os.environ, "HOME": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
     gcs, dash = _free_port(), _free_port()
+    # Every agent port free too: Ray's defaults (e.g. the job agent's 52365) are taken when
+    # another Ray runs on this machine, such as the test session's own, and the head's job
+    # agent then never comes up ("No available agent to submit job").
+    agents = [(flag, str(_free_port())) for flag in ("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+                                                     "--runtime-env-agent-port", "--metrics-export-port")]
     started = _ray(["start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
                     "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--num-cpus", "2",
+                    *[x for pair in agents for x in pair],
                     "--include-dashboard", "true", "--disable-usage-stats"], env, 120)
     assert started.returncode == 0, started.stderr[-2000:]
     try:
