@@ -46,21 +46,11 @@ step, so the call also waits for ranks the OS descheduled (on 4 devices sharing 
 that wait is most of a small collective's cost). With ``busy_window_s`` > 0 the busy
 fits price the links (the idle ones stay in ``profiled['idle_links']``).
 
-Fitting (Alpa, OSDI'22 §4.1 / its ``mesh_profiling``): each collective's time
-is ``t = α + β·x`` with the regressor ``x`` of the cost model, ``b`` as there::
-
-    all-reduce      x = 2 b (n-1)/n       all-gather      x = b (n-1)/n  (b = output)
-    reduce-scatter  x =   b (n-1)/n  (b = input)          all-to-all      x = b (n-1)/n²
-    p2p             x = b                 (ping-pong between pairs, t = round trip / 2)
-
-``α, β`` minimise Σ_i ((α + β x_i − t_i) / t_i)²: least squares on *relative*
-residuals, so a 4 KiB call (≈ α) counts as much as a 16 MiB one (≈ β x); plain
-least squares lets the millisecond noise of large messages swamp α. If the
-intercept comes out negative, α = 0 and β is refitted through the origin.
-The link gets the all-reduce fit (``alpha_s = α``, bandwidth ``1 / β``); every
-other collective's ``β_c / β_allreduce`` becomes ``collective_beta_scale[c]``.
-With both intra and inter groups measured, the scales come from the intra fit
-(both sets are kept in ``profiled``).
+Fitting: ``profile_fit.py`` (Alpa's alpha-beta fit, on relative residuals). The link
+gets the all-reduce fit (``alpha_s = α``, bandwidth ``1 / β``); every other
+collective's ``β_c / β_allreduce`` becomes ``collective_beta_scale[c]``. With both
+intra and inter groups measured, the scales come from the intra fit (both sets are
+kept in ``profiled``).
 
 CPU (gloo) and GPU (NCCL) run the same code; on CUDA tensors every timing is
 bracketed by ``torch.cuda.synchronize()``.
@@ -78,12 +68,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from alpa_torch.cluster import COLLECTIVES, Cluster, LinkSpec
-from alpa_torch.errors import AlpaTorchError
+
+from .profile_fit import ProfileError, fit_alpha_beta, regressor_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -92,52 +82,6 @@ DEFAULT_SIZES_BYTES = (4 * _KiB, 64 * _KiB, 1 * _MiB, 4 * _MiB, 16 * _MiB)
 """Message sizes ``b`` (the cost model's b): ~4 KiB, where α dominates, to 16 MiB, where β does."""
 _FLOAT32_BYTES = 4
 _SUFFIX = "-profiled"
-
-
-class ProfileError(AlpaTorchError, RuntimeError):
-    """Measurements could not be fitted (e.g. time does not grow with message size)."""
-
-
-# ------------------------------------------------------------------------ fitting (pure)
-def regressor_bytes(collective: str, nbytes: float, n: int) -> float:
-    """The cost model's ``x`` in ``t = α + β x`` for ``collective`` of ``nbytes`` over ``n`` devices."""
-    factors = {"allreduce": 2 * (n - 1) / n, "allgather": (n - 1) / n, "reducescatter": (n - 1) / n,
-               "alltoall": (n - 1) / n**2, "p2p": 1.0}
-    return nbytes * factors[collective]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class AlphaBetaFit:
-    """``t = alpha_s + beta_s_per_byte * x`` fitted to measured (x, t) points."""
-
-    alpha_s: float
-    """Intercept: latency of one call, seconds (>= 0)."""
-    beta_s_per_byte: float
-    """Slope: seconds per regressor byte (> 0)."""
-    rel_rms: float
-    """Root mean square of the relative residuals (α + β x − t) / t: 0.1 = typically 10 % off."""
-
-
-def fit_alpha_beta(x_bytes: Sequence[float], t_s: Sequence[float]) -> AlphaBetaFit:
-    """Least squares on relative residuals: minimise Σ ((α + β x_i − t_i) / t_i)² (module docstring).
-
-    Rows scaled by 1/t_i turn it into ordinary least squares [1/t_i, x_i/t_i] · (α, β) ≈ 1.
-    """
-    x, t = np.asarray(x_bytes, dtype=float), np.asarray(t_s, dtype=float)
-    if x.shape != t.shape or x.size < 2 or len(set(x.tolist())) < 2:
-        raise ProfileError(f"fitting alpha and beta needs >= 2 distinct sizes, got x={x.tolist()}. "
-                           "Fix: pass at least two different sizes_bytes.")
-    if not (np.all(np.isfinite(t)) and np.all(t > 0)):
-        raise ProfileError(f"timings must be finite and > 0, got {t.tolist()}")
-    design = np.stack([1 / t, x / t], axis=1)
-    (alpha, beta), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
-    if alpha < 0:  # the convex problem's optimum on α >= 0 is then at α = 0
-        alpha, beta = 0.0, float(np.sum(x / t) / np.sum((x / t) ** 2))
-    if not beta > 0:
-        raise ProfileError(f"time does not grow with message size (beta {beta:.3g} s/byte from x={x.tolist()}, "
-                           f"t={t.tolist()}). Fix: include larger sizes_bytes (MiBs) or more repeats.")
-    rel = (alpha + beta * x - t) / t
-    return AlphaBetaFit(alpha_s=float(alpha), beta_s_per_byte=float(beta), rel_rms=float(np.sqrt(np.mean(rel**2))))
 
 
 # ------------------------------------------------------------------- worker side
