@@ -174,13 +174,16 @@ class StageRunner:
         """Keep the step's new value (of graph value ``node``) as state ``name``, placed as the plan stores it."""
         stored = self.stored_node[(kind, name)]
         want = self.value_specs.get(stored, self.rep)
-        if self.replaying and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-            if self.meta[node].placements == want:
-                self._state[name] = value
-                return
-            value = wrap(value, self.meta[node], self.mesh)
-        value = self._place(value, want)
+        if self._local_as_wanted(node, value, want):
+            self._state[name] = value
+            return
+        value = self._place(self.as_dtensor(node, value), want)
         self._state[name] = value.to_local() if self.replaying else value
+
+    def _local_as_wanted(self, node: str, value, want: tuple) -> bool:
+        """A replayed (local) value of graph value ``node`` already placed as ``want``."""
+        return (self.replaying and isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+                and self.meta[node].placements == want)
 
     def _gather_stores(self, stores: list[tuple]) -> dict[str, DTensor | torch.Tensor]:
         """New state computed sharded that the plan stores replicated (an update run on slices):
@@ -191,10 +194,9 @@ class StageRunner:
         todo = {}
         for kind, name, node, value in stores:
             want = self.value_specs.get(self.stored_node[(kind, name)], self.rep)
-            if self.replaying and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                if self.meta[node].placements == want:
-                    continue
-                value = wrap(value, self.meta[node], self.mesh)
+            if self._local_as_wanted(node, value, want):
+                continue
+            value = self.as_dtensor(node, value)
             if (isinstance(value, DTensor) and value.placements != want
                     and all(isinstance(p, Replicate) for p in want)):
                 todo[name] = value

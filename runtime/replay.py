@@ -209,18 +209,11 @@ def compile_local(call: LocalCall, st) -> Callable[[dict], Any] | None:
     template, tree, kw = list(call.template), call.tree, dict(kwargs)
     op = getattr(call.op, "_op", call.op)  # the C++ callable behind OpOverload.__call__
 
-    if tree is None:
-        def run(env: dict):
-            out = template.copy()
-            for i, name in fill:
-                out[i] = env[name]
-            return op(*out, **kw)
-    else:
-        def run(env: dict):
-            out = template.copy()
-            for i, name in fill:
-                out[i] = env[name]
-            return op(*pytree.tree_unflatten(out, tree), **kw)
+    def run(env: dict):
+        out = template.copy()
+        for i, name in fill:
+            out[i] = env[name]
+        return op(*(out if tree is None else pytree.tree_unflatten(out, tree)), **kw)
     return run
 
 
