@@ -154,20 +154,52 @@ def _init_rank(rank: int, world: int, port: int) -> None:
                                          world_size=world, timeout=datetime.timedelta(seconds=300))
 
 
-def _finish_rank(rank: int, world: int, times: list[float], first_loss: float | None, base_rss: float, queue) -> None:
-    """Gather every rank's step times and RSS on rank 0, which reports one dict."""
+def _report(rank: int, world: int, times: list[float], losses: list[float | None], base: float, queue) -> None:
+    """Rank 0 puts one dict: per-step slowest time, per-rank memory, the losses (mean over the ranks
+    that have one: every rank's shard mean under data parallelism, the last stage's under pipelining)."""
     dist = torch.distributed
-    mine = {"times": times, "loss": first_loss, "max_rss_mb": max_rss_mb(), "base_rss_mb": base_rss}
+    mine = {"times": times, "losses": losses, "peak": max_rss_mb(), "base": base}
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank == 0:
-        per_step = [max(r["times"][i] for r in everyone) for i in range(len(times))]
-        loss = next((r["loss"] for r in everyone if r["loss"] is not None), None)
-        queue.put({"per_step_s": per_step, "first_loss": loss,
-                   "peak_rss_mb": max(r["max_rss_mb"] for r in everyone),
-                   "base_rss_mb": max(r["base_rss_mb"] for r in everyone)})
+        steps = len(times)
+        per_step = [max(r["times"][i] for r in everyone) for i in range(steps)]
+        loss = []
+        for i in range(steps):
+            have = [r["losses"][i] for r in everyone if r["losses"][i] is not None]
+            loss.append(sum(have) / len(have) if have else None)
+        queue.put({"per_step_s": per_step, "losses": loss, "peak_rss_mb": [r["peak"] for r in everyone],
+                   "base_rss_mb": [r["base"] for r in everyone]})
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _timed_loop(cfg: BenchConfig, step_fn) -> tuple[list[float], list[float | None]]:
+    """(seconds, loss or None) of ``step_fn(idx, tgt)`` for every step: the batch is made before
+    the barrier, the timer runs from the barrier to the step's end."""
+    times, losses = [], []
+    for step in range(cfg.steps):
+        idx, tgt = global_batch(cfg, step)
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        loss = step_fn(idx, tgt)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss)
+    return times, losses
+
+
+def _data_parallel_step(model, opt, cfg: BenchConfig, rank: int, world: int):
+    """One step on this rank's equal share of the global batch; its loss (the shard's mean)."""
+    per = cfg.global_batch // world
+
+    def step(idx, tgt):
+        opt.zero_grad()
+        # DDP hooks into forward; the module's own loss() would bypass it
+        loss = lm_loss(model(idx[rank * per:(rank + 1) * per]), tgt[rank * per:(rank + 1) * per])
+        loss.backward()
+        opt.step()
+        return float(loss.detach())  # equal shards: the mean of the ranks' losses is the global loss
+    return step
 
 
 def _ddp_worker(rank: int, world: int, port: int, cfg: BenchConfig, queue) -> None:
@@ -177,23 +209,8 @@ def _ddp_worker(rank: int, world: int, port: int, cfg: BenchConfig, queue) -> No
     base = current_rss_mb()
     model = DistributedDataParallel(build_model(cfg))
     opt = make_optimizer("adamw", model)
-    per_rank = cfg.global_batch // world
-    times, first = [], None
-    for step in range(cfg.steps):
-        idx, tgt = global_batch(cfg, step)
-        mine = (idx[rank * per_rank:(rank + 1) * per_rank], tgt[rank * per_rank:(rank + 1) * per_rank])
-        torch.distributed.barrier()
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        loss = lm_loss(model(mine[0]), mine[1])  # DDP hooks into forward; the module's own loss() would bypass it
-        loss.backward()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-        if step == 0:  # mean of equal-size shards' means = the global mean loss
-            first = loss.detach().clone()
-            torch.distributed.all_reduce(first)
-            first = float(first) / world
-    _finish_rank(rank, world, times, first, base, queue)
+    times, losses = _timed_loop(cfg, _data_parallel_step(model, opt, cfg, rank, world))
+    _report(rank, world, times, losses, base, queue)
 
 
 class _StageModule(nn.Module):
@@ -253,20 +270,12 @@ def pipeline_step(schedule, opt, rank: int, world: int, idx: torch.Tensor, tgt: 
     return float(torch.stack(losses).detach().mean()) if losses else None
 
 
-def _pipeline_worker(rank: int, world: int, port: int, cfg: BenchConfig, queue) -> None:
+def _pipeline_worker(rank: int, world: int, port: int, cfg: BenchConfig, queue, schedule: str = "1f1b") -> None:
     _init_rank(rank, world, port)
     base = current_rss_mb()
-    schedule, opt = pipeline_rank(cfg, rank, world)
-    times, first = [], None
-    for step in range(cfg.steps):
-        idx, tgt = global_batch(cfg, step)
-        torch.distributed.barrier()
-        t0 = time.perf_counter()
-        loss = pipeline_step(schedule, opt, rank, world, idx, tgt)
-        times.append(time.perf_counter() - t0)
-        if step == 0 and loss is not None:
-            first = loss
-    _finish_rank(rank, world, times, first, base, queue)
+    sched, opt = pipeline_rank(cfg, rank, world, schedule)
+    times, losses = _timed_loop(cfg, lambda idx, tgt: pipeline_step(sched, opt, rank, world, idx, tgt))
+    _report(rank, world, times, losses, base, queue)
 
 
 def _spawn(worker, world: int, cfg: BenchConfig) -> dict:

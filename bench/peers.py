@@ -55,8 +55,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from bench._common import (BenchConfig, _init_rank, _spawn, build_model, current_rss_mb,  # noqa: E402
-                           eager_reference, global_batch, max_rss_mb, pipeline_rank, pipeline_step, select)
+from bench._common import (BenchConfig, _data_parallel_step, _ddp_worker, _init_rank,  # noqa: E402
+                           _pipeline_worker, _report, _spawn, _timed_loop, build_model, current_rss_mb,
+                           eager_reference, global_batch, select)
 from bench._plans import dumps, machine_info, plan_deployer, profiled_cluster, run_on_workers, workload  # noqa: E402
 from tests.zoo import lm_loss, make_optimizer  # noqa: E402
 
@@ -71,66 +72,12 @@ SMALL = dict(vocab_size=1024, block_size=64, n_layer=4, n_head=4, n_embd=128, gl
 # ---------------------------------------------------------------- torch workers (spawned processes)
 
 
-def _report(rank: int, world: int, times: list[float], losses: list[float | None], base: float, queue) -> None:
-    """Rank 0 puts one dict: per-step slowest time, per-rank memory, the losses (mean over ranks that have one)."""
-    dist = torch.distributed
-    mine = {"times": times, "losses": losses, "peak": max_rss_mb(), "base": base}
-    everyone = [None] * world
-    dist.all_gather_object(everyone, mine)
-    if rank == 0:
-        steps = len(times)
-        per_step = [max(r["times"][i] for r in everyone) for i in range(steps)]
-        loss = []
-        for i in range(steps):
-            have = [r["losses"][i] for r in everyone if r["losses"][i] is not None]
-            loss.append(sum(have) / len(have) if have else None)
-        queue.put({"per_step_s": per_step, "losses": loss, "peak_rss_mb": [r["peak"] for r in everyone],
-                   "base_rss_mb": [r["base"] for r in everyone]})
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _timed_loop(cfg: BenchConfig, step_fn) -> tuple[list[float], list[float | None]]:
-    times, losses = [], []
-    for step in range(cfg.steps):
-        torch.distributed.barrier()
-        t0 = time.perf_counter()
-        loss = step_fn(step)
-        times.append(time.perf_counter() - t0)
-        losses.append(loss)
-    return times, losses
-
-
-def _data_parallel_step(model, opt, cfg: BenchConfig, rank: int, world: int):
-    per = cfg.global_batch // world
-
-    def step(i):
-        idx, tgt = global_batch(cfg, i)
-        opt.zero_grad()
-        loss = lm_loss(model(idx[rank * per:(rank + 1) * per]), tgt[rank * per:(rank + 1) * per])
-        loss.backward()
-        opt.step()
-        return float(loss.detach())  # equal shards: the mean of the ranks' losses is the global loss
-    return step
-
-
 def _single_worker(rank, world, port, cfg, queue):
     _init_rank(rank, world, port)
     base = current_rss_mb()
     model = build_model(cfg)
     opt = make_optimizer("adamw", model)
     times, losses = _timed_loop(cfg, _data_parallel_step(model, opt, cfg, 0, 1))
-    _report(rank, world, times, losses, base, queue)
-
-
-def _ddp_worker(rank, world, port, cfg, queue):
-    from torch.nn.parallel import DistributedDataParallel
-
-    _init_rank(rank, world, port)
-    base = current_rss_mb()
-    model = DistributedDataParallel(build_model(cfg))
-    opt = make_optimizer("adamw", model)
-    times, losses = _timed_loop(cfg, _data_parallel_step(model, opt, cfg, rank, world))
     _report(rank, world, times, losses, base, queue)
 
 
@@ -167,8 +114,7 @@ def _tp_worker(rank, world, port, cfg, queue):
             "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
     opt = make_optimizer("adamw", model)
 
-    def step(i):
-        idx, tgt = global_batch(cfg, i)  # every rank: the whole batch
+    def step(idx, tgt):  # every rank: the whole batch
         opt.zero_grad()
         loss = lm_loss(model(idx), tgt)
         loss.backward()
@@ -178,20 +124,9 @@ def _tp_worker(rank, world, port, cfg, queue):
     _report(rank, world, times, losses, base, queue)
 
 
-def _pipe_worker(rank, world, port, cfg, queue, schedule="1f1b"):
-    _init_rank(rank, world, port)
-    base = current_rss_mb()
-    sched, opt = pipeline_rank(cfg, rank, world, schedule)
-
-    def step(i):
-        return pipeline_step(sched, opt, rank, world, *global_batch(cfg, i))
-    times, losses = _timed_loop(cfg, step)
-    _report(rank, world, times, losses, base, queue)
-
-
 TORCH_WORKERS = {"single": (_single_worker, 1), "ddp": (_ddp_worker, WORLD), "fsdp2": (_fsdp2_worker, WORLD),
-                 "tp": (_tp_worker, WORLD), "pipe_gpipe": (functools.partial(_pipe_worker, schedule="gpipe"), WORLD),
-                 "pipe_1f1b": (functools.partial(_pipe_worker, schedule="1f1b"), WORLD)}
+                 "tp": (_tp_worker, WORLD), "pipe_gpipe": (functools.partial(_pipeline_worker, schedule="gpipe"), WORLD),
+                 "pipe_1f1b": (functools.partial(_pipeline_worker, schedule="1f1b"), WORLD)}
 
 
 def run_torch(peer: str, cfg: BenchConfig) -> dict:
