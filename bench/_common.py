@@ -25,10 +25,12 @@ steps after the warm-up ones.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import resource
 import socket
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -296,6 +298,15 @@ def _spawn(worker, world: int, cfg: BenchConfig) -> dict:
     out = queue.get()
     out["step_s"] = median(out["per_step_s"][cfg.warmup_steps:])
     return out
+
+
+def parse_measuring_args(ap, argv: list[str] | None):
+    """``ap``'s arguments, with what every measuring script runs under: INFO logging with
+    times on stderr (stdout is the JSON lines) and one torch thread in this process."""
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    torch.set_num_threads(1)
+    return args
 
 
 def select(ap, text: str, allowed, what: str) -> list[str]:

@@ -64,9 +64,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import torch  # noqa: E402
 
-from bench._common import BenchConfig, eager_reference, global_batch, select  # noqa: E402
+from bench._common import BenchConfig, eager_reference, global_batch, parse_measuring_args, select  # noqa: E402
 from bench._plans import (Planner, cluster_summary, dumps, machine_info, plan_deployer,  # noqa: E402
                           profiled_cluster, run_on_workers, sharding_deployer, workload)
 
@@ -207,10 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timed-steps", type=int, default=5, help="timed steps of a final run")
     ap.add_argument("--pairs", type=int, default=2, help="back-to-back (best manual, auto) final measurements")
     ap.add_argument("--reprofile", action="store_true")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    args = parse_measuring_args(ap, argv)
     cases = select(ap, args.cases, CASES, "case")
-    torch.set_num_threads(1)
     from alpa_torch.cluster import Cluster
     from runtime.group import WorkerGroup
     from runtime.ray_env import ensure_ray, stop_ray

@@ -95,9 +95,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import torch  # noqa: E402
 
-from bench._common import BenchConfig, eager_reference, select  # noqa: E402
+from bench._common import BenchConfig, eager_reference, parse_measuring_args, select  # noqa: E402
 from bench._plans import (Planner, cluster_summary, dumps, machine_info, plan_deployer,  # noqa: E402
                           profiled_cluster, rel_err, run_on_workers, sharding_deployer, spearman,
                           stage_op_counts, workload)
@@ -349,13 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-steps", type=int, default=2)
     ap.add_argument("--timed-steps", type=int, default=5)
     ap.add_argument("--breakdown-steps", type=int, default=2, help="extra instrumented steps (0: none)")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    args = parse_measuring_args(ap, argv)
     table = CLUSTER_PLANS[args.cluster]
     names = select(ap, args.plans or ",".join(table), table, "plan")
     if args.timed_steps < 5:
         log.warning("--timed-steps %d < 5: the medians are noisier than the benchmark's protocol", args.timed_steps)
-    torch.set_num_threads(1)
     t_start = time.perf_counter()
     from alpa_torch.cluster import Cluster
     from runtime.ray_env import ensure_ray, stop_ray

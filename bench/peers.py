@@ -53,11 +53,10 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import torch  # noqa: E402
 
 from bench._common import (BenchConfig, _data_parallel_step, _ddp_worker, _init_rank,  # noqa: E402
                            _pipeline_worker, _report, _spawn, _timed_loop, build_model, current_rss_mb,
-                           eager_reference, global_batch, select)
+                           eager_reference, global_batch, parse_measuring_args, select)
 from bench._plans import dumps, machine_info, plan_deployer, profiled_cluster, run_on_workers, workload  # noqa: E402
 from tests.zoo import lm_loss, make_optimizer  # noqa: E402
 
@@ -190,10 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timed-steps", type=int, default=5)
     ap.add_argument("--microbatches", type=int, default=4, help="microbatches of the torch pipelines")
     ap.add_argument("--reprofile", action="store_true")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    args = parse_measuring_args(ap, argv)
     peers = select(ap, args.peers, PEERS, "peer")
-    torch.set_num_threads(1)
     cfg = BenchConfig(**(SMALL if args.small else FULL), warmup_steps=args.warmup_steps,
                       timed_steps=args.timed_steps, microbatches=args.microbatches)
     t0 = time.perf_counter()

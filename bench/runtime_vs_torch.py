@@ -84,7 +84,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from bench._common import (BenchConfig, block_ranges, build_model, eager_reference, global_batch,  # noqa: E402
-                           median, run_torch_ddp, run_torch_pipeline, select)
+                           median, run_torch_ddp, run_torch_pipeline, parse_measuring_args, select)
 from tests.zoo import make_optimizer, train_step  # noqa: E402
 
 log = logging.getLogger("runtime_vs_torch")
@@ -431,10 +431,8 @@ def main(argv: list[str] | None = None) -> int:
                          "optimizer update; ilp: whatever the ILP picks")
     ap.add_argument("--breakdown", action="store_true",
                     help="time each alpa-torch worker's step, redistributions and p2p (adds alpa_breakdown)")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    args = parse_measuring_args(ap, argv)
     cases = select(ap, args.cases, CASES, "case")
-    torch.set_num_threads(1)  # the driver's eager reference is one device too
     cfg = BenchConfig(**(SMALL if args.small else FULL), warmup_steps=args.warmup_steps,
                       timed_steps=args.timed_steps, microbatches=args.microbatches)
     lines = run(cfg, cases, args.dp_plan, args.breakdown)
