@@ -64,6 +64,22 @@ forced order of nested shards and hierarchical sequences (reduce-scatter on
 one axis, all-reduce the smaller shard on the other, all-gather back) where
 they win.
 
+A mesh that spans every device of the cluster (``MeshCost.world``: a one-stage
+plan) is the runtime's default process group, and on a 2-D one the runtime
+takes one collective over all ``N = n0·n1`` devices where DTensor would take one
+per axis (``runtime/grad_buckets.py``, ``replicate_over_world``): ``P P`` to any
+spec without P is one all-reduce then local slices, ``S(d) S(d) → R R`` (``d``
+split evenly) one all-gather. The model prices those paths so, in place of the
+per-axis ones, with the slower axis' link (a ring over every device crosses it)
+and ``b`` the whole tensor:
+
+    world all-reduce  max α + 2 max β b (N-1)/N
+    world all-gather  max α +   max β b (N-1)/N
+
+Priced per axis, a 2-D data-parallel gradient's reduce-scatter on one axis and
+all-gather on the other looked cheaper than two all-reduces, where the runtime
+runs one bucketed all-reduce.
+
 Memory: ``bytes_per_device`` is the largest local shard (ceil chunks, as
 ``ShardingSpec.local_shape``); a Partial placement holds a full-size summand.
 
@@ -91,7 +107,10 @@ logger = logging.getLogger(__name__)
 #: Bump whenever a formula changes: plan caches are keyed on it.
 #: 2: compute priced at the peak FLOP/s of the operator's dtype (mixed precision).
 #: 3: a fixed cost per operator execution (``MeshCost.op_overhead_s``, ``operator_s``).
-COST_MODEL_VERSION = "alpa-alpha-beta-3"
+#: 4: one collective over a whole-cluster 2-D mesh (``MeshCost.world``).
+COST_MODEL_VERSION = "alpa-alpha-beta-4"
+WORLD_AXIS = -1
+"""``ReshardStep.axis`` of a collective over every axis at once (``MeshCost.world``)."""
 
 _SCALE_FIELDS = {
     "allreduce": "allreduce_beta_scale",
@@ -134,6 +153,11 @@ class MeshCost:
     the local kernels): ``operator_s`` adds it. ``from_cluster`` takes the device's
     ``op_overhead_s`` for a one-device mesh, ``sharded_op_overhead_s`` otherwise (the runtime
     runs plain tensors on one device, replayed DTensor decisions on several)."""
+    world: bool = False
+    """The mesh spans every device of the cluster, so the runtime's process group is the mesh:
+    a value partial or sharded over both axes of a 2-D mesh becomes replicated in one
+    collective over all devices (module docstring). ``from_cluster`` sets it for a submesh
+    of the whole cluster."""
 
     def __post_init__(self) -> None:
         # Coerce lists to tuples so the object stays hashable (it keys caches).
@@ -167,6 +191,10 @@ class MeshCost:
     def num_devices(self) -> int:
         return self.mesh_shape[0] * self.mesh_shape[1]
 
+    def axis_alpha_s(self, axis: int) -> float:
+        """Latency of one collective along ``axis``, or over the whole mesh (``WORLD_AXIS``)."""
+        return max(self.alpha_s) if axis == WORLD_AXIS else self.alpha_s[axis]
+
     def flops_per_s(self, dtype: str | None = None) -> float:
         """Peak FLOP/s for ``dtype`` ('torch.' prefix allowed); ``peak_flops_per_s`` if None or unlisted."""
         if dtype is not None:
@@ -190,7 +218,8 @@ class MeshCost:
         ``.alpha_s`` and ``.beta_s_per_byte``) and, if present,
         ``cluster.collective_beta_scale`` (``{"all_gather": 3.5, ...}``; keys
         are matched ignoring case and underscores) and, if present,
-        ``cluster.device.op_overhead_s`` (one-device mesh) / ``sharded_op_overhead_s``.
+        ``cluster.device.op_overhead_s`` (one-device mesh) / ``sharded_op_overhead_s``;
+        ``world`` when ``submesh`` holds ``cluster.num_devices`` devices.
         """
         shape = tuple(int(n) for n in logical_shape)
         links = tuple(cluster.mesh_axis_links(submesh, logical_shape))
@@ -217,8 +246,16 @@ class MeshCost:
             compute_efficiency=float(device.compute_efficiency),
             op_overhead_s=float(getattr(device, "op_overhead_s" if math.prod(shape) == 1
                                         else "sharded_op_overhead_s", 0.0)),
+            world=_spans(submesh, getattr(cluster, "num_devices", None)),
             **scales,
         )
+
+
+def _spans(submesh: Any, num_devices: Any) -> bool:
+    """Whether ``submesh`` (a shape like ``(hosts, devices)``) holds all ``num_devices`` devices."""
+    if not isinstance(submesh, (tuple, list)) or not all(isinstance(n, int) for n in submesh):
+        return False
+    return isinstance(num_devices, int) and math.prod(submesh) == num_devices
 
 
 # ---------------------------------------------------------------- collectives
@@ -254,6 +291,18 @@ def alltoall_s(mesh: MeshCost, axis: int, nbytes: float) -> float:
     """All-to-all of a tensor of ``nbytes`` across the group: α + β·b·(n−1)/n² (Alpa §4.1)."""
     n, alpha, beta = _axis_link(mesh, axis, nbytes)
     return 0.0 if n == 1 else alpha + beta * mesh.alltoall_beta_scale * nbytes * (n - 1) / (n * n)
+
+
+def world_allreduce_s(mesh: MeshCost, nbytes: float) -> float:
+    """All-reduce of ``nbytes`` over every device of the mesh: max α + 2 max β·b·(N−1)/N."""
+    n = mesh.num_devices
+    return max(mesh.alpha_s) + 2 * max(mesh.beta_s_per_byte) * mesh.allreduce_beta_scale * nbytes * (n - 1) / n
+
+
+def world_allgather_s(mesh: MeshCost, nbytes: float) -> float:
+    """All-gather to ``nbytes`` over every device of the mesh: max α + max β·b·(N−1)/N."""
+    n = mesh.num_devices
+    return max(mesh.alpha_s) + max(mesh.beta_s_per_byte) * mesh.allgather_beta_scale * nbytes * (n - 1) / n
 
 
 def p2p_s(mesh: MeshCost, axis: int, nbytes: float) -> float:
@@ -338,6 +387,7 @@ class ReshardStep:
     """One single-axis step of a resharding sequence (for inspection and tests)."""
 
     axis: int
+    """Mesh axis, or ``WORLD_AXIS``: every axis in one collective."""
     src: ShardingSpec
     dst: ShardingSpec
     collective: str  # all_reduce | all_gather | reduce_scatter | all_to_all | slice | zero | relabel
@@ -403,7 +453,36 @@ def _shortest_from(mesh: MeshCost, src: State, shape: tuple[int, ...], itemsize:
                 dist[nxt] = total
                 back[nxt] = (state, collective, axis, nbytes, step_s)
                 heapq.heappush(heap, (total, next(tie), nxt))
+    if mesh.world and min(mesh.mesh_shape) > 1:
+        _world_paths(mesh, src, shape, itemsize, dist, back)
     return dist, back
+
+
+def _world_paths(mesh: MeshCost, src: State, shape: tuple[int, ...], itemsize: int, dist: dict, back: dict) -> None:
+    """The runtime's one-collective paths on a whole-cluster 2-D mesh (module docstring), in place
+    of the per-axis ones: from ``P P`` to every spec without P, one all-reduce then local slices
+    (on axis 0, then axis 1: placements nest left to right); from ``S(d) S(d)`` (``d`` split
+    evenly) to ``R R``, one all-gather. The runtime takes these whenever they apply, so the
+    model does too, cheaper or not than the per-axis path."""
+    nbytes = math.prod(shape) * itemsize
+    rep = (R,) * len(src)
+    if all(p.kind == "P" for p in src):
+        cost = world_allreduce_s(mesh, nbytes)
+        for state in list(dist):
+            if any(p.kind == "P" for p in state):
+                continue
+            dist[state] = cost
+            if state == rep:
+                back[state] = (src, "all_reduce", WORLD_AXIS, nbytes, cost)
+            elif state[1] == R:
+                back[state] = (rep, "slice", 0, 0, 0.0)
+            else:
+                back[state] = ((state[0], R), "slice", 1, 0, 0.0)
+    elif (all(p.kind == "S" for p in src) and len({p.dim for p in src}) == 1
+          and shape[src[0].dim] % mesh.num_devices == 0):
+        cost = world_allgather_s(mesh, nbytes)
+        dist[rep] = cost
+        back[rep] = (src, "all_gather", WORLD_AXIS, nbytes, cost)
 
 
 def _key(mesh: MeshCost, spec: ShardingSpec, shape: Sequence[int]) -> State:

@@ -281,7 +281,14 @@ class StageRunner:
                 # Turning a value into a partial sum is DTensor-internal: its
                 # dispatcher does it when the operator's rule asks for it.
                 return value
-            fast = replicate_over_world(value, self.mesh) if self.world_mesh and placements == self.rep else None
+            fast = None
+            if self.world_mesh and (placements == self.rep or (
+                    all(p.is_partial() for p in value.placements) and not any(p.is_partial() for p in placements))):
+                # One collective over every rank, then local slices (what the cost model prices:
+                # ``intra_ilp.cost_model``, world paths).
+                fast = replicate_over_world(value, self.mesh)
+                if fast is not None and placements != self.rep:
+                    fast = fast.redistribute(self.mesh, placements)
             value = fast if fast is not None else value.redistribute(self.mesh, placements)
         return value
 

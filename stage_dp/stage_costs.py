@@ -557,7 +557,7 @@ def _fixed_fb_parts(instance, choice, graph, ops: set[str], builder, mesh: cm.Me
 def _latency_s(mesh: cm.MeshCost, src, dst, shape, itemsize: int) -> float:
     """α of every collective on the cheapest reshard path from ``src`` to ``dst``."""
     steps = cm.reshard_path(mesh, src, dst, tuple(shape), itemsize)
-    return math.fsum(mesh.alpha_s[st.axis] for st in steps if st.collective not in ("slice", "zero", "relabel"))
+    return math.fsum(mesh.axis_alpha_s(st.axis) for st in steps if st.collective not in ("slice", "zero", "relabel"))
 
 
 def _with_replicated_state(instance, builder, graph):

@@ -162,6 +162,43 @@ def test_hierarchical_allreduce_wins_when_axis_is_slow():
     assert reshard_s(m, spec("PP"), spec("RR"), (1024,), 1) == pytest.approx(min(direct, hierarchical))
 
 
+def test_whole_cluster_mesh_takes_one_collective_over_every_device():
+    """``MeshCost.world`` (a 2-D mesh of the whole cluster): PP to any spec without P is the
+    runtime's one all-reduce over all devices then local slices, S(d)S(d) -> RR one all-gather,
+    priced with the slower axis' link, whether or not the per-axis path is cheaper."""
+    shape, b = (8, 16), 8 * 16 * 4
+    m = mesh_cost(shape=(2, 2), alpha=(3.0, 1.0), beta=(2.0, 1.0), world=True)
+    world_ar, world_ag = 3 + 2 * 2 * b * 3 / 4, 3 + 2 * b * 3 / 4
+    assert cm.world_allreduce_s(m, b) == pytest.approx(world_ar)
+    assert cm.world_allgather_s(m, b) == pytest.approx(world_ag)
+    for dst in ("RR", "S(0)S(0)", "S(1)R", "RS(0)", "S(0)S(1)"):
+        assert reshard_s(m, spec("PP"), spec(dst), shape, 4) == pytest.approx(world_ar), dst
+    steps = reshard_path(m, spec("PP"), spec("S(0)S(1)"), shape, 4)
+    assert [(s.axis, s.collective) for s in steps] == [(cm.WORLD_AXIS, "all_reduce"), (0, "slice"), (1, "slice")]
+    assert reshard_s(m, spec("S(0)S(0)"), spec("RR"), shape, 4) == pytest.approx(world_ag)
+    assert [(s.axis, s.collective) for s in reshard_path(m, spec("S(0)S(0)"), spec("RR"), shape, 4)] == [
+        (cm.WORLD_AXIS, "all_gather")]
+    # Partial left on an axis, or a dim the devices do not split evenly: per axis, as before.
+    per_axis = mesh_cost(shape=(2, 2), alpha=(3.0, 1.0), beta=(2.0, 1.0))
+    assert reshard_s(m, spec("PP"), spec("RP"), shape, 4) == reshard_s(per_axis, spec("PP"), spec("RP"), shape, 4)
+    assert reshard_s(m, spec("S(0)S(0)"), spec("RR"), (6, 16), 4) == reshard_s(
+        per_axis, spec("S(0)S(0)"), spec("RR"), (6, 16), 4)
+    # Not the whole cluster: two per-axis all-reduces (or the hierarchical path) for PP -> RR.
+    assert reshard_s(per_axis, spec("PP"), spec("RR"), shape, 4) != pytest.approx(world_ar)
+    # A 1-D mesh already is one collective over its devices.
+    line = mesh_cost(shape=(1, 4), alpha=(0.0, 5.0), beta=(0.0, 0.5), world=True)
+    assert reshard_s(line, spec("RP"), spec("RR"), shape, 4) == pytest.approx(allreduce_s(line, 1, b))
+
+
+def test_from_cluster_marks_the_whole_cluster_mesh():
+    from alpa_torch.cluster import Cluster
+
+    cluster = Cluster.local(2, 2)
+    assert MeshCost.from_cluster(cluster, (2, 2), (2, 2)).world
+    assert MeshCost.from_cluster(cluster, (2, 2), (1, 4)).world
+    assert not MeshCost.from_cluster(cluster, (1, 2), (1, 2)).world
+
+
 # ---------------------------------------------------------------- memory
 
 def test_bytes_per_device():
@@ -187,6 +224,13 @@ def _group(coord, axis, n):
 
 def _apply(local: dict, step, mesh_shape, rng) -> dict:
     """Execute one ReshardStep on every device (torch.chunk semantics, DTensor nesting)."""
+    if step.axis == cm.WORLD_AXIS:  # one collective over every device, in row-major order
+        every = [local[c] for c in sorted(local)]
+        if step.collective == "all_reduce":
+            return {c: sum(every) for c in local}
+        assert step.collective == "all_gather", step.collective
+        full = np.concatenate(every, axis=step.src.placements[0].dim)
+        return {c: full for c in local}
     a, n, src, dst = step.axis, mesh_shape[step.axis], step.src.placements[step.axis], step.dst.placements[step.axis]
     out = {}
     for c in local:
@@ -246,7 +290,8 @@ def cases(draw, equal_links=False):
     beta = tuple(draw(st.floats(0.01, 10)) for _ in range(2))
     if equal_links:
         alpha, beta = (alpha[0],) * 2, (beta[0],) * 2
-    m = mesh_cost(mesh_shape, alpha, beta, allgather_beta_scale=draw(st.sampled_from([1.0, 3.5])))
+    m = mesh_cost(mesh_shape, alpha, beta, allgather_beta_scale=draw(st.sampled_from([1.0, 3.5])),
+                  world=draw(st.booleans()))
     specs = all_specs(len(shape), 2, allow_partial=True)
     return m, shape, draw(st.sampled_from(specs)), draw(st.sampled_from(specs)), draw(st.sampled_from([1, 2, 4]))
 

@@ -459,6 +459,16 @@ def _flat_collectives_check(state):
         want = v.redistribute(mesh, (Replicate(), Replicate())).to_local()
         torch.testing.assert_close(replicate_over_world(v, mesh).to_local(), want, rtol=1e-6, atol=1e-6)
         checked.append(op)
+    # A partial sum to any placements without Partial: the one all-reduce, then local slices
+    # (the path ``intra_ilp.cost_model`` prices for a whole-cluster mesh).
+    from runtime.interpreter import StageRunner
+
+    runner = StageRunner([], {}, {}, {"inputs": [], "outputs": []}, mesh)
+    v = DTensor.from_local(full["a"] * (rank + 1), mesh, (Partial(), Partial()), run_check=False)
+    for target in [(Shard(0), Shard(1)), (Replicate(), Shard(0)), (Shard(0), Shard(0))]:
+        got, want = runner._place(v, target), v.redistribute(mesh, target)
+        assert got.placements == target
+        torch.testing.assert_close(got.to_local(), want.to_local(), rtol=1e-6, atol=1e-6)
     specs = {"a": (Shard(1), Shard(0)), "b": (Shard(1), Shard(0)), "c": (Replicate(), Shard(0)),
              "odd": (Shard(1), Shard(0)), "idx": (Shard(0), Shard(1))}
     values = {k: distribute_tensor(full[k], mesh, p, src_data_rank=None) for k, p in specs.items()}
