@@ -379,10 +379,11 @@ def test_2d_data_parallel_gradients_are_bucketed():
     graph = capture(train_step, model, make_optimizer("sgd", model), _dp_batch(0))
     cluster, steps = Cluster.local(2, 2), 3
     probe = {"install": _install_redistribution_log, "read": _read_redistribution_log}
-    # Operators priced at 40 us (DTensor dispatch, as before replay): the ILP's plan then
-    # reduces some gradients in two steps (PP -> RP -> RR), the path this test is about;
-    # at the replay's few us it reduces all of them at once.
-    mesh = dataclasses.replace(realistic(cluster, (2, 2)), op_overhead_s=40e-6)
+    # Operators priced at 40 us (DTensor dispatch, as before replay) and collectives per mesh
+    # axis (a 2-D stage mesh that is not the whole cluster): the ILP's plan then reduces some
+    # gradients in two steps (PP -> RP -> RR), the path this test is about; on the whole
+    # cluster at the replay's few us it reduces all of them at once.
+    mesh = dataclasses.replace(realistic(cluster, (2, 2)), op_overhead_s=40e-6, world=False)
     sharding = run_case("gpt", cluster, mesh, opt="sgd", steps=steps,
                         force=_force(graph, "S(0)S(0)"), probe=probe, build=_dp_gpt, batch_fn=_dp_batch)
     specs = {str(s) for s in sharding.value_specs.values()}
