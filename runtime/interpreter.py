@@ -23,6 +23,9 @@ What keeps the per-step cost near eager PyTorch's:
   DTensor's ~80 us of Python per operator off every later step.
   ``ALPA_TORCH_REPLAY=0`` in the workers' environment keeps DTensor for every
   step (a debugging switch);
+- elementwise operators whose first input dies with them (the optimizer update:
+  ``exp_avg.lerp(grad, w)``, ``param * decay``) write their result into that
+  input's memory, as eager's in-place optimizer does (``donation.py``);
 - on a one-device mesh there is nothing to shard: operators run on plain
   tensors from the start (``self.local``); values become DTensors only where
   they cross to another stage (``pipeline.py``).
@@ -49,6 +52,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from intra_ilp.spec import ShardingSpec
 from intra_ilp.strategies import to_dtensor_placements
 
+from .donation import INPLACE, donating, find_donations
 from .grad_buckets import (BUCKET_CAP_BYTES, GradBuckets, deferred_wants, find_reductions, gather_replicated,
                            mesh_is_world, replicate_over_world)
 from .program import CALL, GET_ATTR, GETITEM, MARKER, OUTPUT, Program, Ref, compile_program
@@ -58,6 +62,8 @@ log = logging.getLogger(__name__)
 GRAD_MARKER_NAME = "alpa.grad.default"
 REPLAY = os.environ.get("ALPA_TORCH_REPLAY", "1") != "0"
 """``ALPA_TORCH_REPLAY=0``: every step runs every operator through DTensor (no replay)."""
+DONATE = os.environ.get("ALPA_TORCH_DONATE", "1") != "0"
+"""``ALPA_TORCH_DONATE=0``: no operator runs in place on a dead input (``donation.py``)."""
 __all__ = ["GRAD_MARKER_NAME", "Ref", "StageRunner", "serialize_graph"]
 
 
@@ -127,16 +133,29 @@ class StageRunner:
         """Name -> ``env -> value`` of each replayed operator, built at its first replay."""
         self.meta: dict[str, Any] = {}
         """Name -> ``ValueMeta`` of every value seen while learning."""
-        self.program = self.compile(self.nodes, collect=True)
+        self.donate_enabled = DONATE
+        """Whether operators may run in place on dead inputs (``donation.py``); set before the first step."""
+        self._owned: set[str] = set()
+        """State nodes whose tensors this runner owns outright (state memory a step may donate)."""
+        self._foreign: set[str] = set()
+        """State names holding memory given to ``load_state``, not yet replaced by a step's result."""
+        self._donors: dict[str, Callable] = {}
+        self.program = self.compile(self.nodes, collect=True, donate_state=True)
         if self.reductions:
             log.info("%d of the step's gradients reduced in buckets", len(self.reductions))
 
-    def compile(self, records: list[tuple], keep: Iterable[str] = (), collect: bool = False) -> Program:
-        """``records`` as a ``Program``; with ``collect``, bucketed gradients are collected at their first reader."""
+    def compile(self, records: list[tuple], keep: Iterable[str] = (), collect: bool = False,
+                donate_state: bool = False) -> Program:
+        """``records`` as a ``Program``; with ``collect``, bucketed gradients are collected at their first
+        reader; with ``donate_state``, it is the last reader of the state in a step: its operators may
+        overwrite state memory the runner owns (``donation.py``)."""
         program = compile_program(records, GRAD_MARKER_NAME, keep)
         if collect and self.reductions:
             for name, st in program.first_readers(self.reductions).items():
                 st.before += (name,)
+        state_nodes = frozenset(self._state_node.values()) if donate_state else frozenset()
+        for name, donation in find_donations(program, state_nodes).items():
+            program.step(name).donate = donation
         return program
 
     # ---------------------------------------------------------------- state
@@ -155,6 +174,8 @@ class StageRunner:
             if kind in ("param", "buffer", "opt_state") and name in values:
                 value = self._distribute(node, values[name])
                 self._state[name] = value.to_local() if self.replaying else value
+                self._foreign.add(name)
+                self._owned.discard(node)
 
     @property
     def state(self) -> dict[str, DTensor | torch.Tensor]:
@@ -174,6 +195,7 @@ class StageRunner:
         """Keep the step's new value (of graph value ``node``) as state ``name``, placed as the plan stores it."""
         stored = self.stored_node[(kind, name)]
         want = self.value_specs.get(stored, self.rep)
+        self._foreign.discard(name)
         if self._local_as_wanted(node, value, want):
             self._state[name] = value
             return
@@ -239,6 +261,7 @@ class StageRunner:
         for kind, name, node, value in stores:
             if name in gathered:  # replicated, as stored (a local tensor when replaying)
                 self._state[name] = gathered[name]
+                self._foreign.discard(name)
             else:
                 self.store(kind, name, node, value)
         self.end_step()
@@ -255,7 +278,8 @@ class StageRunner:
                     env[k] = v.to_local()
 
     def end_step(self) -> None:
-        """After the first step: every device agrees on what runs locally, then replays."""
+        """After the first step: every device agrees on what runs locally, then replays.
+        After every step: which state tensors the runner now owns outright."""
         if self.learning and self.replay_enabled:
             safe = agree({n: rp.call is not None for n, rp in self.replay.items()}, self.mesh)
             for n, rp in self.replay.items():
@@ -264,6 +288,28 @@ class StageRunner:
             self.replaying = True
             self._state = {name: v.to_local() if isinstance(v, DTensor) else v for name, v in self._state.items()}
             log.info("replaying %d of %d operators on local tensors", sum(safe.values()), len(safe))
+        self._note_owned()
+
+    def _note_owned(self) -> None:
+        """State a later step may donate: plain tensors that are not views, hold no memory given to
+        ``load_state`` and share their storage with no other state entry."""
+        self._owned.clear()
+        if not self.donate_enabled:
+            return
+        plain = {name: t for name, t in self._state.items()
+                 if type(t) is torch.Tensor and t._base is None and name not in self._foreign}
+        storages: dict[int, int] = {}
+        for t in plain.values():
+            ptr = t.untyped_storage().data_ptr()
+            storages[ptr] = storages.get(ptr, 0) + 1
+        self._owned.update(self._state_node[name] for name, t in plain.items()
+                           if storages[t.untyped_storage().data_ptr()] == 1)
+
+    def _donor(self, st, op) -> Callable | None:
+        """``(args, kwargs) -> result`` of ``op`` for a donating step (``donation.donating``), or None."""
+        if st.donate is None or not self.donate_enabled:
+            return None
+        return donating(op, getattr(INPLACE[st.target], "_op", INPLACE[st.target]), st.donate.state, self._owned)
 
     def as_dtensor(self, name: str, value):
         """``value`` of ``name`` as the DTensor it stands for (a replayed value is a local tensor)."""
@@ -361,7 +407,12 @@ class StageRunner:
     # ---------------------------------------------------------------- one operator
     def _call_local(self, st, env: dict[str, Any]):
         args, kwargs = st.resolve([env[a] for a in st.inputs])
-        return st.target(*args, **kwargs)
+        if st.donate is None:
+            return st.target(*args, **kwargs)
+        donor = self._donors.get(st.name)
+        if donor is None:
+            donor = self._donors[st.name] = self._donor(st, st.target) or (lambda a, k: st.target(*a, **k))
+        return donor(args, kwargs)
 
     def _placed_inputs(self, st, env: dict[str, Any], with_metas: bool = True) -> tuple[list, list]:
         """Inputs redistributed to the plan's input specs, and their ``InputMeta`` (None: not a tensor;
@@ -402,7 +453,8 @@ class StageRunner:
         fn = self._replayers.get(st.name)
         if fn is None:
             rp = self.replay[st.name]
-            fast = compile_local(rp.call, st) if rp.call is not None and not rp.redistribute else None
+            fast = (compile_local(rp.call, st, lambda op: self._donor(st, op))
+                    if rp.call is not None and not rp.redistribute else None)
             fn = self._replayers[st.name] = fast or (lambda env: self._replay(st, env))
         return fn(env)
 

@@ -72,7 +72,7 @@ class PipelineRunner:
         self.programs = {
             "forward": r.compile(records["forward"], backward_reads | sent["forward"] | loss | outputs),
             "backward": r.compile(records["backward"], sent["backward"] | outputs),
-            "update": r.compile(records["update"], outputs, collect=True),
+            "update": r.compile(records["update"], outputs, collect=True, donate_state=True),
         }
         self.after = {"forward": (sent["forward"] | loss) - backward_reads - outputs,
                       "backward": sent["backward"] - outputs}

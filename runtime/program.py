@@ -39,7 +39,7 @@ CALL, GETITEM, MARKER, GET_ATTR, OUTPUT, PLACEHOLDER = range(6)
 class Step:
     """One record, ready to run: what to call, how to build its arguments, what to free after it."""
 
-    __slots__ = ("kind", "name", "target", "inputs", "resolve", "free", "before")
+    __slots__ = ("kind", "name", "target", "inputs", "resolve", "free", "before", "donate")
 
     def __init__(self, kind: int, name: str, target: Any, inputs: tuple[str, ...],
                  resolve: Callable[[list], tuple[tuple, dict]] | None):
@@ -53,6 +53,8 @@ class Step:
         """Values deleted from the environment after this step (their last reader)."""
         self.before: tuple[str, ...] = ()
         """Gradients to collect from their bucket before this step (it reads them first)."""
+        self.donate = None
+        """``donation.Donation``: the input this step may overwrite with its result, if any."""
 
     def __repr__(self) -> str:
         return f"Step({self.name}, free={self.free}, before={self.before})"
@@ -67,6 +69,13 @@ class Program:
         """Names this program computes."""
         self.reads = reads
         """Names this program reads but does not compute (its inputs from outside)."""
+
+    def step(self, name: str) -> Step:
+        """The step computing ``name``."""
+        by_name = self.__dict__.get("_by_name")
+        if by_name is None:
+            by_name = self._by_name = {st.name: st for st in self.steps}
+        return by_name[name]
 
     def first_readers(self, names: Iterable[str]) -> dict[str, Step]:
         """For each of ``names`` the program reads, the first step that reads it."""

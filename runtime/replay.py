@@ -194,11 +194,13 @@ class _Slot:
         self.i = i
 
 
-def compile_local(call: LocalCall, st) -> Callable[[dict], Any] | None:
+def compile_local(call: LocalCall, st, donor=None) -> Callable[[dict], Any] | None:
     """``env -> result`` of ``call`` for the compiled record ``st``, in one closure: the
     kernel itself (no ``OpOverload`` wrapper) on the template with this step's local
     tensors put in, read straight from the environment. None when a tensor is passed by
-    keyword or sits where no input reference is (``run_local`` then does the general thing)."""
+    keyword or sits where no input reference is (``run_local`` then does the general thing).
+    ``donor(kernel)``: the step's ``(args, kwargs) -> result`` running in place on its first
+    argument (``donation.py``), or None; used when that argument is the donated input."""
     args, kwargs = st.resolve([_Slot(i) for i in range(len(st.inputs))])
     if any(isinstance(v, _Slot) for v in pytree.tree_leaves(kwargs)):
         return None
@@ -208,6 +210,17 @@ def compile_local(call: LocalCall, st) -> Callable[[dict], Any] | None:
     fill = tuple((i, st.inputs[flat[i].i]) for i in call.tensors)
     template, tree, kw = list(call.template), call.tree, dict(kwargs)
     op = getattr(call.op, "_op", call.op)  # the C++ callable behind OpOverload.__call__
+    donating = None
+    if (donor is not None and st.donate is not None and tree is None and call.op is st.target
+            and fill and fill[0] == (0, st.inputs[st.donate.slot])):
+        donating = donor(op)
+    if donating is not None:
+        def run_donating(env: dict):
+            out = template.copy()
+            for i, name in fill:
+                out[i] = env[name]
+            return donating(out, kw)
+        return run_donating
 
     def run(env: dict):
         out = template.copy()
