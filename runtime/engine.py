@@ -23,7 +23,7 @@ import numpy as np
 from alpa_torch.errors import WorkerError
 
 from .group import WorkerGroup
-from .interpreter import serialize_graph
+from .interpreter import serialize_graph, total_loss
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class Engine:
             losses = self.group.call_all(_step, batch, scalars, timeout_s=self.step_timeout_s)
         except WorkerError as exc:
             raise stage_failure(exc, [tuple(range(self.group.world_size))]) from exc
-        return float(losses[0])
+        return total_loss(losses)
 
     def gather_state(self) -> dict[str, np.ndarray]:
         return self.group.call_all(_gather)[0]

@@ -37,10 +37,11 @@ It needs a default process group (gloo or NCCL) spanning the mesh's ranks.
 from __future__ import annotations
 
 import logging
+import math
 import operator
 import os
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -64,7 +65,32 @@ REPLAY = os.environ.get("ALPA_TORCH_REPLAY", "1") != "0"
 """``ALPA_TORCH_REPLAY=0``: every step runs every operator through DTensor (no replay)."""
 DONATE = os.environ.get("ALPA_TORCH_DONATE", "1") != "0"
 """``ALPA_TORCH_DONATE=0``: no operator runs in place on a dead input (``donation.py``)."""
-__all__ = ["GRAD_MARKER_NAME", "Ref", "StageRunner", "serialize_graph"]
+FULL_BATCH = "full batch"
+"""``env[(FULL_BATCH, node)]``: the whole batch leaf ``node`` as it arrived (every device receives
+all of it), where the plan shards it: a redistribution of it to replicated is a lookup."""
+__all__ = ["GRAD_MARKER_NAME", "LossPart", "Ref", "StageRunner", "serialize_graph", "total_loss"]
+
+
+class LossPart(NamedTuple):
+    """One device's share of a loss the plan leaves partial over the mesh: the driver adds the
+    ``value`` of every ``counted`` device (one per group of replicas) and divides by ``divisor``
+    (the mesh axes that average), instead of an all-reduce at the end of every step."""
+
+    value: float
+    counted: bool
+    divisor: int
+
+
+def total_loss(results: list) -> float:
+    """The step's loss from every device's result (rank order): a float each, or ``LossPart``s
+    added in rank order in float32, as the devices' all-reduce would."""
+    if not isinstance(results[0], LossPart):
+        return float(results[0])
+    total = np.float32(0.0)
+    for part in results:
+        if part.counted:
+            total += np.float32(part.value)
+    return float(total / np.float32(results[0].divisor))
 
 
 def serialize_graph(gm: fx.GraphModule) -> list[tuple]:
@@ -235,11 +261,19 @@ class StageRunner:
         """This step runs every operator through DTensor and records what to replay (``replay.py``)."""
         return not self.local and not self.replaying
 
-    def step(self, batch: dict[str, np.ndarray], scalars: dict[str, float]) -> float:
+    def put_batch(self, env: dict, node: str, value: np.ndarray) -> None:
+        """Batch leaf ``node`` into ``env``, placed as the plan says; where that shards it, the
+        whole leaf too (``FULL_BATCH``)."""
+        env[node] = self._distribute(node, value)
+        if not self.local and any(not p.is_replicate() for p in self.value_specs.get(node, self.rep)):
+            env[(FULL_BATCH, node)] = torch.as_tensor(value)
+
+    def step(self, batch: dict[str, np.ndarray], scalars: dict[str, float]) -> float | LossPart:
+        """One training step; its loss (``LossPart`` where the plan leaves it partial: ``total_loss``)."""
         env: dict[str, Any] = {}
         for kind, name, node in self.inputs:
             if kind == "batch":
-                env[node] = self._distribute(node, batch[name])
+                self.put_batch(env, node, batch[name])
             elif kind == "host_scalar":
                 env[node] = self._distribute(node, torch.tensor(scalars[name], dtype=torch.float64))
             else:
@@ -253,8 +287,7 @@ class StageRunner:
         loss, stores = None, []
         for (kind, name, node), value in zip(self.outputs, results):
             if kind == "loss":
-                loss = self.as_dtensor(node, value)
-                loss = self._place(loss, self.rep).to_local() if isinstance(loss, DTensor) else loss
+                loss = self._loss_out(self.as_dtensor(node, value))
                 continue
             stores.append((kind, name, node, value))
         gathered = self._gather_stores(stores)
@@ -265,7 +298,22 @@ class StageRunner:
             else:
                 self.store(kind, name, node, value)
         self.end_step()
-        return float(loss)
+        return loss
+
+    def _loss_out(self, loss) -> float | LossPart:
+        """The loss as the driver adds it up: this device's summand where it is a partial sum (or
+        average) over the mesh, else its value (replicated here, by a collective if need be)."""
+        if not isinstance(loss, DTensor):
+            return float(loss)
+        placements = loss.placements
+        if all(p.is_replicate() or (p.is_partial() and p.reduce_op in ("sum", "avg")) for p in placements) \
+                and any(p.is_partial() for p in placements):
+            coords = self.mesh.get_coordinate()
+            counted = all(c == 0 for c, p in zip(coords, placements) if p.is_replicate())
+            divisor = math.prod(self.mesh.size(a) for a, p in enumerate(placements)
+                                if p.is_partial() and p.reduce_op == "avg")
+            return LossPart(float(loss.to_local()), counted, divisor)
+        return float(self._place(loss, self.rep).to_local())
 
     def enter(self, env: dict[str, Any]) -> None:
         """Values the caller put in ``env``: noted while learning, local tensors when replaying."""
@@ -425,7 +473,11 @@ class StageRunner:
             if isinstance(v, torch.Tensor):
                 want = specs[j] if j < n_specs else self.rep
                 j += 1
-                placed = v if isinstance(v, DTensor) and v.placements == want else self._place(v, want)
+                full = env.get((FULL_BATCH, a)) if want == self.rep else None
+                if full is not None:  # the batch leaf, as it arrived: no all-gather
+                    placed = DTensor.from_local(full, self.mesh, self.rep, run_check=False)
+                else:
+                    placed = v if isinstance(v, DTensor) and v.placements == want else self._place(v, want)
                 if with_metas:
                     metas.append(InputMeta(meta_of(v), meta_of(placed) if placed is not v else None))
                 v = placed
@@ -463,7 +515,8 @@ class StageRunner:
         rp = self.replay[st.name]
         values = [env[a] for a in st.inputs]
         for i, have, placements in rp.redistribute:
-            values[i] = self._redistribute_local(values[i], have, placements)
+            full = env.get((FULL_BATCH, st.inputs[i])) if placements == self.rep else None
+            values[i] = full if full is not None else self._redistribute_local(values[i], have, placements)
         if rp.call is not None:
             return run_local(rp.call, *st.resolve(values))
         for i, m in enumerate(rp.inputs):

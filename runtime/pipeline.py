@@ -120,7 +120,7 @@ class PipelineRunner:
                 env[node] = r._distribute(node, torch.tensor(scalars[name], dtype=torch.float64))
             elif kind == "batch":
                 if batch is not None and name in batch:
-                    env[node] = r._distribute(node, batch[name])
+                    r.put_batch(env, node, batch[name])
             elif r.has_state(name):
                 env[node] = r.state_value(name)
         for st in self._constant_steps():

@@ -488,3 +488,49 @@ def test_flat_collectives_equal_dtensor():
     with WorkerGroup.start(Cluster.local(2, 2)) as group:
         results = group.call_all(_flat_collectives_check)
     assert results == [["a", "b", "idx", "sum", "avg"]] * 4
+
+
+def _install_integer_gather_log(state):
+    """Log every DTensor redistribution of an integer tensor (a batch of token ids) in this worker."""
+    from torch.distributed.tensor import _api, _dispatch, _redistribute
+
+    log = state["integer_redistributions"] = []
+    inner = _redistribute.redistribute_local_tensor
+
+    def logged(local, current_spec, target_spec, *args, **kwargs):
+        if not local.is_floating_point():
+            log.append((str(current_spec.placements), str(target_spec.placements), tuple(local.shape)))
+        return inner(local, current_spec, target_spec, *args, **kwargs)
+
+    for module in (_redistribute, _api, _dispatch):
+        module.redistribute_local_tensor = logged
+    return True
+
+
+def test_replicating_a_sharded_batch_leaf_takes_the_batch_as_it_arrived():
+    """Every device receives the whole batch: where the plan shards a batch leaf and an operator
+    wants it replicated (the zoo GPT's embedding backward gathers its token ids), the runner
+    uses the leaf as it arrived instead of an all-gather; still equal to eager."""
+    cluster = Cluster.local(1, 2)
+    graph = _graph("gpt")
+    force = _force(graph, "RS(0)")
+    sharding = solve_stage(graph, realistic(cluster, (1, 2)), force=force)
+    idx = next(s.node for s in graph.inputs if s.kind == "batch")
+    wants = set()
+    for n in graph.gm.graph.nodes:
+        inputs = [a.name for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        if idx in inputs and n.name in sharding.input_specs:
+            wants.add(str(sharding.input_specs[n.name][inputs.index(idx)]))
+    assert "RR" in wants, wants  # the plan does replicate the sharded token ids somewhere
+    probe = {"install": _install_integer_gather_log, "read": lambda state: state["integer_redistributions"]}
+    run_case("gpt", cluster, realistic(cluster, (1, 2)), force=force, probe=probe)
+    assert probe["result"] == [[], []]
+
+
+def test_total_loss_adds_the_summands_of_one_device_per_replica_group():
+    from runtime.interpreter import LossPart, total_loss
+
+    assert total_loss([1.5, 1.5]) == 1.5
+    parts = [LossPart(0.25, True, 1), LossPart(0.5, True, 1), LossPart(0.25, False, 1), LossPart(0.5, False, 1)]
+    assert total_loss(parts) == 0.75  # partial over axis 1 of a 2x2 mesh, replicated over axis 0
+    assert total_loss([LossPart(v, True, 4) for v in (1.0, 2.0, 3.0, 6.0)]) == 3.0  # an average over 4
