@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree as pytree
 
-from .program import CALL, GET_ATTR, GETITEM, MARKER, OUTPUT, Program
+from .program import CALL, GET_ATTR, GETITEM, MARKER, OUTPUT, Program, Slot
 
 _ELEMENTWISE = ("add.Tensor", "add.Scalar", "sub.Tensor", "sub.Scalar", "mul.Tensor", "mul.Scalar",
                 "div.Tensor", "div.Scalar", "lerp.Scalar", "lerp.Tensor", "addcmul.default",
@@ -103,22 +103,14 @@ def _aliasing(target) -> bool:
 def _first_arg_slot(st) -> int | None:
     """Index in ``st.inputs`` of the step's first positional argument, if it is an input
     that appears nowhere else in the call."""
-    probe = [_Probe(i) for i in range(len(st.inputs))]
-    args, kwargs = st.resolve(probe)
-    if not args or not isinstance(args[0], _Probe):
+    args, kwargs = st.resolve([Slot(i) for i in range(len(st.inputs))])
+    if not args or not isinstance(args[0], Slot):
         return None
     first = args[0].i
     leaves = pytree.tree_leaves((args[1:], kwargs))
-    if any(isinstance(v, _Probe) and v.i == first for v in leaves):
+    if any(isinstance(v, Slot) and v.i == first for v in leaves):
         return None
     return first
-
-
-class _Probe:
-    __slots__ = ("i",)
-
-    def __init__(self, i: int):
-        self.i = i
 
 
 def find_donations(program: Program, state_nodes: frozenset[str] | set[str] = frozenset()) -> dict[str, Donation]:

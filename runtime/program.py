@@ -32,6 +32,16 @@ class Ref(str):
     """A reference to another node's value inside a serialized node's arguments."""
 
 
+class Slot:
+    """Stands for input ``i`` of a record while its argument layout is worked out
+    (``step.resolve([Slot(0), Slot(1), ...])`` shows where each input goes)."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int):
+        self.i = i
+
+
 # Step kinds
 CALL, GETITEM, MARKER, GET_ATTR, OUTPUT, PLACEHOLDER = range(6)
 
@@ -69,13 +79,13 @@ class Program:
         """Names this program computes."""
         self.reads = reads
         """Names this program reads but does not compute (its inputs from outside)."""
+        self._by_name: dict[str, Step] | None = None
 
     def step(self, name: str) -> Step:
         """The step computing ``name``."""
-        by_name = self.__dict__.get("_by_name")
-        if by_name is None:
-            by_name = self._by_name = {st.name: st for st in self.steps}
-        return by_name[name]
+        if self._by_name is None:
+            self._by_name = {st.name: st for st in self.steps}
+        return self._by_name[name]
 
     def first_readers(self, names: Iterable[str]) -> dict[str, Step]:
         """For each of ``names`` the program reads, the first step that reads it."""

@@ -47,6 +47,8 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
+from .program import Slot
+
 log = logging.getLogger(__name__)
 
 
@@ -185,15 +187,6 @@ def run_local(call: LocalCall, args: tuple, kwargs: dict):
     return call.op(*(pytree.tree_unflatten(out, call.tree) if call.tree is not None else out), **kwargs)
 
 
-class _Slot:
-    """Stands for input ``i`` of a record while its argument layout is worked out."""
-
-    __slots__ = ("i",)
-
-    def __init__(self, i: int):
-        self.i = i
-
-
 def compile_local(call: LocalCall, st, donor=None) -> Callable[[dict], Any] | None:
     """``env -> result`` of ``call`` for the compiled record ``st``, in one closure: the
     kernel itself (no ``OpOverload`` wrapper) on the template with this step's local
@@ -201,11 +194,11 @@ def compile_local(call: LocalCall, st, donor=None) -> Callable[[dict], Any] | No
     keyword or sits where no input reference is (``run_local`` then does the general thing).
     ``donor(kernel)``: the step's ``(args, kwargs) -> result`` running in place on its first
     argument (``donation.py``), or None; used when that argument is the donated input."""
-    args, kwargs = st.resolve([_Slot(i) for i in range(len(st.inputs))])
-    if any(isinstance(v, _Slot) for v in pytree.tree_leaves(kwargs)):
+    args, kwargs = st.resolve([Slot(i) for i in range(len(st.inputs))])
+    if any(isinstance(v, Slot) for v in pytree.tree_leaves(kwargs)):
         return None
     flat = pytree.tree_leaves(args) if call.tree is not None else args
-    if not all(i < len(flat) and isinstance(flat[i], _Slot) for i in call.tensors):
+    if not all(i < len(flat) and isinstance(flat[i], Slot) for i in call.tensors):
         return None
     fill = tuple((i, st.inputs[flat[i].i]) for i in call.tensors)
     template, tree, kw = list(call.template), call.tree, dict(kwargs)
