@@ -108,7 +108,8 @@ logger = logging.getLogger(__name__)
 #: 2: compute priced at the peak FLOP/s of the operator's dtype (mixed precision).
 #: 3: a fixed cost per operator execution (``MeshCost.op_overhead_s``, ``operator_s``).
 #: 4: one collective over a whole-cluster 2-D mesh (``MeshCost.world``).
-COST_MODEL_VERSION = "alpa-alpha-beta-4"
+#: 5: a batch leaf wanted replicated costs nothing (``intra_ilp.stage``: every device receives the batch).
+COST_MODEL_VERSION = "alpa-alpha-beta-5"
 WORLD_AXIS = -1
 """``ReshardStep.axis`` of a collective over every axis at once (``MeshCost.world``)."""
 

@@ -11,7 +11,8 @@
   ``getitem`` and gradient markers, which the runtime does not run, cost nothing);
   feeding the batch costs its local bytes / memory bandwidth (sharded is cheaper);
 - one edge per operator input: the resharding cost from each producer spec to
-  the spec each consumer strategy wants (``cost_model.reshard_matrix_s``);
+  the spec each consumer strategy wants (``cost_model.reshard_matrix_s``); a batch
+  leaf wanted replicated costs nothing (every device receives the whole batch);
 - an edge from each updated parameter / optimizer state / buffer back to its
   stored input: storing it in another layout costs a reshard every step;
 - Followers: ``getitem`` of a multi-output operator follows its producer; a view
@@ -292,14 +293,17 @@ class _Builder:
         """Resharding from ``src``'s output to ``dst``'s input ``j`` (None: ``dst``'s stored spec)."""
         val = _val(self.gm_nodes[src])
         src_opts, dst_opts = self.options[src], self.options[dst]
-        key = (id(src_opts), id(dst_opts), j, tuple(val.shape), _itemsize(val))
+        fed = src in self.fed and j is not None
+        key = (id(src_opts), id(dst_opts), j, tuple(val.shape), _itemsize(val), fed)
         hit = self._matrices.get(key)
         if hit is None or hit[0] is not src_opts or hit[1] is not dst_opts:
             src_specs = [st.outputs[0] if st.outputs and st.outputs[0] else ShardingSpec.replicated(2)
                          for st in src_opts]
             dst_specs = [st.outputs[0] if j is None else st.inputs[j] for st in dst_opts]
-            hit = self._matrices[key] = (src_opts, dst_opts,
-                                         cm.reshard_matrix_s(self.mesh, src_specs, dst_specs, key[3], key[4]))
+            matrix = cm.reshard_matrix_s(self.mesh, src_specs, dst_specs, key[3], key[4])
+            if fed:  # every device receives the whole batch: replicating a leaf is a lookup (StageRunner.put_batch)
+                matrix[:, [k for k, spec in enumerate(dst_specs) if spec.is_replicated]] = 0.0
+            hit = self._matrices[key] = (src_opts, dst_opts, matrix)
         return ILPEdge(self.index[src], self.index[dst], hit[2])
 
     def tie_groups(self, rounds: int = WL_ROUNDS) -> list[tuple[int, ...]]:

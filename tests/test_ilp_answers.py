@@ -257,3 +257,28 @@ def test_cat_of_a_tensor_list_has_sharded_strategies():
     found = strategies.node_strategies(node, (2, 2))
     assert len(found) > 1
     assert any(st.outputs[0] == ShardingSpec((S(0), S(1))) for st in found)
+
+
+def test_a_batch_leaf_replicates_for_free():
+    """Every device receives the whole batch (``StageRunner.put_batch``): the edge from a batch
+    leaf to a consumer that wants it replicated costs nothing, from any of the leaf's specs;
+    sharding it further still costs what the mesh charges."""
+    from intra_ilp.stage import _Builder
+    from tests.zoo import ZOO, make_batch
+
+    model, _ = ZOO["gpt"]()
+    graph = capture(train_step, model, make_optimizer("adamw", model), make_batch("gpt", 8, seed=0))
+    builder = _Builder(graph, MeshCost(mesh_shape=(1, 4), alpha_s=(1e-3, 1e-3), beta_s_per_byte=(1e-9, 1e-9),
+                                       peak_flops_per_s=1e12, memory_bandwidth_bytes_per_s=1e11), None)
+    builder.strategies()
+    idx = next(s.node for s in graph.inputs if s.kind == "batch")
+    edges = [(e, builder.order[e.dst]) for e in builder.edges() if builder.order[e.src] == idx]
+    assert edges
+    for e, dst in edges:
+        j = [a.name for a in builder.gm_nodes[dst].all_input_nodes].index(idx)
+        for k, st in enumerate(builder.options[dst]):
+            column = e.reshard_s[:, k]
+            if st.inputs[j].is_replicated:
+                assert not column.any(), (dst, st)
+            else:
+                assert column.max() > 0, (dst, st)  # from R it is a free slice, from another split not
