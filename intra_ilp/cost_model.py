@@ -194,7 +194,7 @@ class MeshCost:
 
     def axis_alpha_s(self, axis: int) -> float:
         """Latency of one collective along ``axis``, or over the whole mesh (``WORLD_AXIS``)."""
-        return max(self.alpha_s) if axis == WORLD_AXIS else self.alpha_s[axis]
+        return _axis_link(self, axis, 0)[1]
 
     def flops_per_s(self, dtype: str | None = None) -> float:
         """Peak FLOP/s for ``dtype`` ('torch.' prefix allowed); ``peak_flops_per_s`` if None or unlisted."""
@@ -263,10 +263,14 @@ def _spans(submesh: Any, num_devices: Any) -> bool:
 
 
 def _axis_link(mesh: MeshCost, axis: int, nbytes: float) -> tuple[int, float, float]:
-    if axis not in (0, 1):
+    """(devices, α, β) of a collective along ``axis``; ``WORLD_AXIS``: over every device of
+    the mesh, on the slower axis' link (a ring over every device crosses it)."""
+    if axis not in (0, 1, WORLD_AXIS):
         raise ValueError(f"mesh axis must be 0 or 1, got {axis!r}")
     if nbytes < 0:
         raise ValueError(f"message size must be >= 0 bytes, got {nbytes!r}")
+    if axis == WORLD_AXIS:
+        return mesh.num_devices, max(mesh.alpha_s), max(mesh.beta_s_per_byte)
     return mesh.mesh_shape[axis], mesh.alpha_s[axis], mesh.beta_s_per_byte[axis]
 
 
@@ -296,14 +300,12 @@ def alltoall_s(mesh: MeshCost, axis: int, nbytes: float) -> float:
 
 def world_allreduce_s(mesh: MeshCost, nbytes: float) -> float:
     """All-reduce of ``nbytes`` over every device of the mesh: max α + 2 max β·b·(N−1)/N."""
-    n = mesh.num_devices
-    return max(mesh.alpha_s) + 2 * max(mesh.beta_s_per_byte) * mesh.allreduce_beta_scale * nbytes * (n - 1) / n
+    return allreduce_s(mesh, WORLD_AXIS, nbytes)
 
 
 def world_allgather_s(mesh: MeshCost, nbytes: float) -> float:
     """All-gather to ``nbytes`` over every device of the mesh: max α + max β·b·(N−1)/N."""
-    n = mesh.num_devices
-    return max(mesh.alpha_s) + max(mesh.beta_s_per_byte) * mesh.allgather_beta_scale * nbytes * (n - 1) / n
+    return allgather_s(mesh, WORLD_AXIS, nbytes)
 
 
 def p2p_s(mesh: MeshCost, axis: int, nbytes: float) -> float:
@@ -454,36 +456,40 @@ def _shortest_from(mesh: MeshCost, src: State, shape: tuple[int, ...], itemsize:
                 dist[nxt] = total
                 back[nxt] = (state, collective, axis, nbytes, step_s)
                 heapq.heappush(heap, (total, next(tie), nxt))
-    if mesh.world and min(mesh.mesh_shape) > 1:
-        _world_paths(mesh, src, shape, itemsize, dist, back)
     return dist, back
 
 
-def _world_paths(mesh: MeshCost, src: State, shape: tuple[int, ...], itemsize: int, dist: dict, back: dict) -> None:
-    """The runtime's one-collective paths on a whole-cluster 2-D mesh (module docstring), in place
-    of the per-axis ones: from ``P P`` to every spec without P, one all-reduce then local slices
+def _world_path(mesh: MeshCost, src: State, dst: State, shape: tuple[int, ...], itemsize: int) -> list | None:
+    """The runtime's one-collective path from ``src`` to ``dst`` on a whole-cluster 2-D mesh
+    (module docstring) as ``(prev, next, collective, axis, nbytes, cost_s)`` steps, or None where
+    the runtime goes per axis: from ``P P`` to a spec without P, one all-reduce then local slices
     (on axis 0, then axis 1: placements nest left to right); from ``S(d) S(d)`` (``d`` split
     evenly) to ``R R``, one all-gather. The runtime takes these whenever they apply, so the
     model does too, cheaper or not than the per-axis path."""
+    if not mesh.world or min(mesh.mesh_shape) == 1:
+        return None
     nbytes = math.prod(shape) * itemsize
     rep = (R,) * len(src)
-    if all(p.kind == "P" for p in src):
-        cost = world_allreduce_s(mesh, nbytes)
-        for state in list(dist):
-            if any(p.kind == "P" for p in state):
-                continue
-            dist[state] = cost
-            if state == rep:
-                back[state] = (src, "all_reduce", WORLD_AXIS, nbytes, cost)
-            elif state[1] == R:
-                back[state] = (rep, "slice", 0, 0, 0.0)
-            else:
-                back[state] = ((state[0], R), "slice", 1, 0, 0.0)
-    elif (all(p.kind == "S" for p in src) and len({p.dim for p in src}) == 1
-          and shape[src[0].dim] % mesh.num_devices == 0):
-        cost = world_allgather_s(mesh, nbytes)
-        dist[rep] = cost
-        back[rep] = (src, "all_gather", WORLD_AXIS, nbytes, cost)
+    if all(p.kind == "P" for p in src) and not any(p.kind == "P" for p in dst):
+        steps = [(src, rep, "all_reduce", WORLD_AXIS, nbytes, world_allreduce_s(mesh, nbytes))]
+        if dst[0] != R:
+            steps.append((rep, (dst[0], R), "slice", 0, 0, 0.0))
+        if dst[1] != R:
+            steps.append(((dst[0], R), dst, "slice", 1, 0, 0.0))
+        return steps
+    if (dst == rep and all(p.kind == "S" for p in src) and len({p.dim for p in src}) == 1
+            and shape[src[0].dim] % mesh.num_devices == 0):
+        return [(src, rep, "all_gather", WORLD_AXIS, nbytes, world_allgather_s(mesh, nbytes))]
+    return None
+
+
+def _cost(mesh: MeshCost, src: State, dst: State, canonical: tuple, dist: dict | None = None) -> float:
+    """``reshard_s`` between two states, ``canonical`` = ``_canonical(shape, itemsize, ...)``;
+    ``dist``: ``_shortest_from``'s distances from ``src``, when the caller has them."""
+    world = _world_path(mesh, src, dst, *canonical)
+    if world is not None:
+        return math.fsum(step[-1] for step in world)
+    return (dist if dist is not None else _shortest_from(mesh, src, *canonical)[0])[dst]
 
 
 def _key(mesh: MeshCost, spec: ShardingSpec, shape: Sequence[int]) -> State:
@@ -518,8 +524,7 @@ def reshard_s(
     OSDI'22, §4.1 resharding cost, with its alpha-beta collective model).
     """
     shape = tuple(int(x) for x in global_shape)
-    dist, _ = _shortest_from(mesh, _key(mesh, src, shape), *_canonical(shape, int(itemsize), mesh.mesh_shape))
-    return dist[_key(mesh, dst, shape)]
+    return _cost(mesh, _key(mesh, src, shape), _key(mesh, dst, shape), _canonical(shape, int(itemsize), mesh.mesh_shape))
 
 
 def reshard_path(
@@ -528,7 +533,12 @@ def reshard_path(
     """The step sequence ``reshard_s`` prices, first step first (zero-cost relabels dropped)."""
     shape = tuple(int(x) for x in global_shape)
     src_state, state = _key(mesh, src, shape), _key(mesh, dst, shape)
-    _, back = _shortest_from(mesh, src_state, *_canonical(shape, int(itemsize), mesh.mesh_shape))
+    canonical = _canonical(shape, int(itemsize), mesh.mesh_shape)
+    world = _world_path(mesh, src_state, state, *canonical)
+    if world is not None:
+        return tuple(ReshardStep(axis, ShardingSpec(a), ShardingSpec(b), collective, nbytes, cost)
+                     for a, b, collective, axis, nbytes, cost in world)
+    _, back = _shortest_from(mesh, src_state, *canonical)
     steps = []
     while state != src_state:
         prev, collective, axis, nbytes, step_s = back[state]
@@ -544,8 +554,9 @@ def _matrix(mesh: MeshCost, srcs: tuple, dsts: tuple, shape: tuple[int, ...], it
     canonical = _canonical(shape, itemsize, mesh.mesh_shape)
     out = np.empty((len(srcs), len(dsts)), dtype=np.float64)
     for i, src in enumerate(srcs):
-        dist, _ = _shortest_from(mesh, _key(mesh, src, shape), *canonical)
-        out[i] = [dist[d] for d in dst_states]
+        src_state = _key(mesh, src, shape)
+        dist, _ = _shortest_from(mesh, src_state, *canonical)
+        out[i] = [_cost(mesh, src_state, d, canonical, dist) for d in dst_states]
     out.flags.writeable = False
     return out
 

@@ -183,6 +183,12 @@ def test_whole_cluster_mesh_takes_one_collective_over_every_device():
     assert reshard_s(m, spec("PP"), spec("RP"), shape, 4) == reshard_s(per_axis, spec("PP"), spec("RP"), shape, 4)
     assert reshard_s(m, spec("S(0)S(0)"), spec("RR"), (6, 16), 4) == reshard_s(
         per_axis, spec("S(0)S(0)"), spec("RR"), (6, 16), 4)
+    # A target keeping a P goes per axis, along a path that prices what reshard_s says (the
+    # first version rewrote the per-axis back pointers of RR and broke such paths).
+    fast_axis0 = mesh_cost(shape=(2, 2), alpha=(0.0, 0.0), beta=(0.25, 1.0), world=True)
+    steps = reshard_path(fast_axis0, spec("PP"), spec("PR"), (2,), 1)
+    assert steps and all(s.axis != cm.WORLD_AXIS for s in steps)
+    assert sum(s.cost_s for s in steps) == pytest.approx(reshard_s(fast_axis0, spec("PP"), spec("PR"), (2,), 1))
     # Not the whole cluster: two per-axis all-reduces (or the hierarchical path) for PP -> RR.
     assert reshard_s(per_axis, spec("PP"), spec("RR"), shape, 4) != pytest.approx(world_ar)
     # A 1-D mesh already is one collective over its devices.
