@@ -40,6 +40,7 @@ import logging
 import math
 import operator
 import os
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -344,14 +345,10 @@ class StageRunner:
         self._owned.clear()
         if not self.donate_enabled:
             return
-        plain = {name: t for name, t in self._state.items()
-                 if type(t) is torch.Tensor and t._base is None and name not in self._foreign}
-        storages: dict[int, int] = {}
-        for t in plain.values():
-            ptr = t.untyped_storage().data_ptr()
-            storages[ptr] = storages.get(ptr, 0) + 1
-        self._owned.update(self._state_node[name] for name, t in plain.items()
-                           if storages[t.untyped_storage().data_ptr()] == 1)
+        storage_of = {name: t.untyped_storage().data_ptr() for name, t in self._state.items()
+                      if type(t) is torch.Tensor and t._base is None and name not in self._foreign}
+        holders = Counter(storage_of.values())
+        self._owned.update(self._state_node[name] for name, ptr in storage_of.items() if holders[ptr] == 1)
 
     def _donor(self, st, op) -> Callable | None:
         """``(args, kwargs) -> result`` of ``op`` for a donating step (``donation.donating``), or None."""

@@ -238,14 +238,16 @@ def check_local(st, placed: list, result) -> LocalCall | None:
     except Exception:  # noqa: BLE001 - see the log line below
         got = None
     want = pytree.tree_leaves(to_local(result))
-    if got is None or len(got) != len(want) or not all(_same(a, b) for a, b in zip(got, want)):
+    if got is None or len(got) != len(want) or not all(bitwise_equal(a, b) for a, b in zip(got, want)):
         log.warning("operator %s (%s): the local kernel DTensor's rule implies differs from DTensor's "
                     "result; it keeps running through DTensor", st.name, st.target)
         return None
     return call
 
 
-def _same(a, b) -> bool:
+def bitwise_equal(a, b) -> bool:
+    """``a`` and ``b`` are the same local tensor (shape, dtype, strides, bits; NaN where the
+    other has NaN), or equal non-tensors."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and not isinstance(a, DTensor)
                 and a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
