@@ -34,6 +34,8 @@ options give the same plan, so the second ``make_plan`` loads it.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import math
 import time
@@ -93,6 +95,7 @@ class ParallelStep:
                  checkpoint_every: int = 1, checkpointing="auto"):
         """See ``parallelize``."""
         _check_reliability_options(max_restarts, checkpoint_dir, checkpoint_every)
+        functools.update_wrapper(self, train_step)  # the decorated step keeps its name and docstring
         self.train_step = train_step
         self.cluster = cluster or Cluster.local(1, 2)
         self.forced_plan = plan
@@ -122,7 +125,9 @@ class ParallelStep:
         """Activation checkpointing: copy node -> original node in ``run_graph`` (``remat.py``)."""
 
     # ------------------------------------------------------------------ call
-    def __call__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """``step(model, optimizer, batch)``: one training step on the cluster; returns the loss."""
+        model, optimizer, batch = _step_arguments(getattr(self, "__name__", "step"), args, kwargs)
         if self.engine is None:
             self._start(model, optimizer, batch)
         self._functional.check_unchanged()
@@ -430,6 +435,25 @@ def load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, d
     return load(model, optimizer, directory)
 
 
+def _step_arguments(name: str, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+    """``(model, optimizer, batch)`` of a call of the parallel step, or a ``TypeError`` that says how
+    to call it: the step takes exactly what ``train_step(model, optimizer, batch)`` takes."""
+    try:
+        bound = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                                   for n in ("model", "optimizer", "batch")]).bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(
+            f"the parallel step {name} takes (model, optimizer, batch) like train_step, got {len(args)} positional "
+            f"argument(s){' and ' + ', '.join(kwargs) if kwargs else ''} ({exc}). Fix: put every input of the step "
+            "in one batch: step(model, optimizer, (x, y)) or a dict, and read it inside train_step") from None
+    model, optimizer = bound.arguments["model"], bound.arguments["optimizer"]
+    if not isinstance(model, torch.nn.Module) or not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"the parallel step {name} takes (model, optimizer, batch): got a {type(model).__name__} "
+                        f"and a {type(optimizer).__name__} where a torch.nn.Module and a torch.optim.Optimizer "
+                        "belong")
+    return model, optimizer, bound.arguments["batch"]
+
+
 def _check_reliability_options(max_restarts, checkpoint_dir, checkpoint_every) -> None:
     if not isinstance(max_restarts, int) or max_restarts < 0:
         raise CheckpointError(f"max_restarts={max_restarts!r} must be an int >= 0")
@@ -440,11 +464,18 @@ def _check_reliability_options(max_restarts, checkpoint_dir, checkpoint_every) -
                               "checkpoint written there. Fix: pass checkpoint_dir (shared storage on real hosts).")
 
 
-def parallelize(train_step: Callable | None = None, *, cluster: Cluster | None = None, **options):
+def parallelize(train_step: Callable | Cluster | None = None, cluster: Cluster | None = None, **options):
     """Return ``train_step`` running on ``cluster`` with an automatically found plan.
 
-    Usable as ``parallelize(step, cluster=...)`` or as ``@parallelize(cluster=...)``.
-    Options (all optional): ``plan`` (a ``ParallelPlan`` or a plan JSON path to
+    Every form works::
+
+        step = parallelize(train_step, cluster)            # or cluster=cluster
+        @parallelize(cluster)                              # or @parallelize(cluster=cluster)
+        def train_step(model, optimizer, batch): ...
+        @parallelize                                       # the default cluster
+        def train_step(model, optimizer, batch): ...
+
+    Options (all optional, keywords): ``plan`` (a ``ParallelPlan`` or a plan JSON path to
     run instead of searching), ``num_microbatches``, ``num_stages``,
     ``num_layers``, ``pipeline=False`` (one stage on all devices),
     ``sharding=False`` (data parallel and pipeline only), ``memory_budget_bytes``
@@ -472,6 +503,17 @@ def parallelize(train_step: Callable | None = None, *, cluster: Cluster | None =
     and the failure are not replayed (their batches are gone): with
     ``checkpoint_every=k`` up to k - 1 steps of progress are lost.
     """
+    if isinstance(train_step, Cluster):  # @parallelize(cluster)
+        if cluster is not None:
+            raise TypeError("parallelize got two clusters; pass one: parallelize(train_step, cluster)")
+        train_step, cluster = None, train_step
+    if cluster is not None and not isinstance(cluster, Cluster):
+        raise TypeError(f"parallelize's cluster is a {type(cluster).__name__}, not an alpa_torch.Cluster; "
+                        "describe it with Cluster.local(hosts, devices_per_host), Cluster.simulated(...) or "
+                        "Cluster.from_ray()")
     if train_step is None:
-        return lambda fn: ParallelStep(fn, cluster, **options)
+        return lambda fn: parallelize(fn, cluster, **options)
+    if not callable(train_step):
+        raise TypeError(f"parallelize's first argument is a {type(train_step).__name__}; pass the training step "
+                        "function: parallelize(train_step, cluster)")
     return ParallelStep(train_step, cluster, **options)

@@ -454,8 +454,10 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 
 def _bench_scripts() -> dict[str, Path]:
-    folder = REPO_ROOT / "bench"
-    return {p.stem: p for p in sorted(folder.glob("*.py")) if not p.name.startswith("_")} if folder.is_dir() else {}
+    """The scripts of ``bench/``: a source checkout's (the current directory's, else the one an
+    editable install points to). A wheel does not install them."""
+    folder = next((f for f in (Path.cwd() / "bench", REPO_ROOT / "bench") if (f / "_common.py").is_file()), None)
+    return {p.stem: p for p in sorted(folder.glob("*.py")) if not p.name.startswith("_")} if folder else {}
 
 
 def _bench_help() -> str:
@@ -477,7 +479,9 @@ def cmd_bench(args) -> int:
         print(_bench_help())
         return 0
     if args.name not in scripts:
-        raise UsageError(f"unknown benchmark {args.name!r}: use one of {', '.join(scripts) or '(no bench/ folder)'}")
+        raise UsageError(f"unknown benchmark {args.name!r}: use one of {', '.join(scripts)}" if scripts else
+                         "the benchmarks are not installed with the package: run alpa-torch bench from a source "
+                         "checkout of alpa-torch (its bench/ folder)")
     return subprocess.call([sys.executable, str(scripts[args.name]), *args.args])
 
 

@@ -1,6 +1,6 @@
 """Workloads for the ``alpa-torch`` command: a model, optimizer, batch and step from a name.
 
-Owns the MODEL argument of the CLI: zoo models (``tests/zoo.py`` next to the installation),
+Owns the MODEL argument of the CLI: zoo models (``alpa_torch/zoo.py``),
 GPT-3 shapes built on the meta device, Hugging Face families from configs, or a user
 ``MODULE:FUNCTION``. ``cli.py`` parses arguments and runs commands; this module only builds.
 """
@@ -11,7 +11,6 @@ import importlib
 import importlib.util
 import os
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -45,13 +44,10 @@ class Workload:
 
 
 def _zoo():
-    """``tests/zoo.py`` of the source tree (an editable install keeps it next to this package)."""
-    if not (REPO_ROOT / "tests" / "zoo.py").exists():
-        raise UsageError(f"the model zoo (tests/zoo.py) is not next to this installation ({REPO_ROOT}); "
-                         "install alpa-torch from its source tree (pip install -e .) or use MODULE:FUNCTION")
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    return importlib.import_module("tests.zoo")
+    """The model zoo (``alpa_torch/zoo.py``)."""
+    from . import zoo
+
+    return zoo
 
 
 def _model_kwargs(pairs: list[str]) -> dict[str, Any]:
@@ -110,15 +106,17 @@ def load_workload(spec: str, *, batch_size: int | None = None, dtype: str | None
 
 def _user_workload(spec: str, kwargs: dict) -> Workload:
     module_name, _, fn_name = spec.rpartition(":")
+    # MODULE is a .py file, a module of the current directory (mymodel -> ./mymodel.py) or an
+    # importable module; a file is loaded from its path, nothing is added to sys.path.
+    path = Path(module_name if module_name.endswith(".py") else module_name.replace(".", os.sep) + ".py")
     try:
-        if module_name.endswith(".py"):
-            loader = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
-            if loader is None or not Path(module_name).exists():
+        if module_name.endswith(".py") or path.is_file():
+            loader = importlib.util.spec_from_file_location(path.stem, path)
+            if loader is None or not path.is_file():
                 raise UsageError(f"model {spec!r}: no file {module_name!r}")
             module = importlib.util.module_from_spec(loader)
             loader.loader.exec_module(module)
         else:
-            sys.path.insert(0, os.getcwd())
             module = importlib.import_module(module_name)
     except ImportError as exc:
         raise UsageError(f"model {spec!r}: cannot import {module_name!r} ({exc})") from exc

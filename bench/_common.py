@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from tests.zoo import GPT, GPTConfig, lm_loss, make_optimizer, train_step
+from alpa_torch.zoo import GPT, GPTConfig, lm_loss, make_optimizer, train_step
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

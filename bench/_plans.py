@@ -4,7 +4,7 @@ What it owns:
 
 - ``profiled_cluster``: ``Cluster.local(h, d).profile()`` once, cached as JSON
   under ``/tmp/alpa_torch_bench`` (``--reprofile`` measures again);
-- ``Workload``: one seeded GPT (``bench._common.build_model``), its AdamW,
+- ``Workload``: one seeded GPT (``_common.build_model``), its AdamW,
   the step captured at the global batch, and the initial state as numpy;
 - deployers: ``plan_deployer`` (a ``ParallelPlan``, exactly as
   ``alpa_torch.api.ParallelStep._deploy`` deploys it) and
@@ -47,15 +47,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from bench._common import BenchConfig, build_model, global_batch, median  # noqa: E402
-from bench.runtime_vs_torch import (_breakdown, _worker_install_timers,  # noqa: E402
+from _common import BenchConfig, build_model, global_batch, median
+from runtime_vs_torch import (_breakdown, _worker_install_timers,
                                     _worker_read_timers)
-from tests.zoo import make_optimizer, train_step  # noqa: E402
+from alpa_torch.zoo import make_optimizer, train_step
 
 log = logging.getLogger("bench.plans")
 CACHE_DIR = Path("/tmp/alpa_torch_bench")
@@ -66,9 +65,9 @@ def _ship_by_value() -> None:
     """Ray workers cannot import ``bench/``: send this module's and the timers' functions by value."""
     from ray import cloudpickle
 
-    import bench.runtime_vs_torch
+    import runtime_vs_torch
 
-    for module in (sys.modules[__name__], bench.runtime_vs_torch):
+    for module in (sys.modules[__name__], runtime_vs_torch):
         cloudpickle.register_pickle_by_value(module)
 
 

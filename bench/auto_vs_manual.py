@@ -8,7 +8,7 @@ Usage (from the repository root; about 10 minutes on a 2-core machine)::
 Cases: ``Cluster.local(2, 2)`` and ``Cluster.local(1, 4)`` (4 virtual CPU
 devices, one process and one torch thread each, gloo), each profiled once
 (``Cluster.profile()``, cached under ``/tmp/alpa_torch_bench``; ``--reprofile``),
-times two GPT shapes (``tests.zoo.GPT``, AdamW, vocab 1024, T 64, batch 16):
+times two GPT shapes (``alpa_torch.zoo.GPT``, AdamW, vocab 1024, T 64, batch 16):
 
 - ``deep``: 8 layers, 4 heads, d 128 (narrow: many small operators);
 - ``wide``: 2 layers, 8 heads, d 512 (few large matmuls, 8x the parameters per layer).
@@ -62,11 +62,10 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-from bench._common import BenchConfig, eager_reference, global_batch, parse_measuring_args, select  # noqa: E402
-from bench._plans import (Planner, cluster_summary, dumps, machine_info, plan_deployer,  # noqa: E402
+from _common import BenchConfig, eager_reference, global_batch, parse_measuring_args, select
+from _plans import (Planner, cluster_summary, dumps, machine_info, plan_deployer,
                           profiled_cluster, run_on_workers, sharding_deployer, workload)
 
 log = logging.getLogger("auto_vs_manual")
@@ -96,7 +95,7 @@ def auto_plan(wl, cluster):
     """The plan ``parallelize(train_step, cluster=cluster)`` would run (no cache, no forced option)."""
     from alpa_torch.api import ParallelStep
     from alpa_torch.plan import graph_fingerprint
-    from tests.zoo import train_step
+    from alpa_torch.zoo import train_step
 
     step = ParallelStep(train_step, cluster, plan_cache=False)
     plan = step.make_plan(wl.model, wl.optimizer, global_batch(wl.cfg, 0))

@@ -13,7 +13,7 @@ Usage (from the repository root; 8-15 minutes on a shared 2-core machine, depend
 bandwidth, per-collective alpha/beta on the intra- and inter-"host" groups) and
 cached as ``/tmp/alpa_torch_bench/cluster_local_2x2.json``. Every plan below is
 priced with that calibrated cluster by the planner itself
-(``stage_dp.search.plan`` with forced options, or ``bench._plans.forced_plan``
+(``stage_dp.search.plan`` with forced options, or ``_plans.forced_plan``
 for a given stage list, which prices it from the same stage tables), then run
 on 4 fresh Ray workers (one process and one torch thread per virtual device,
 gloo) through the same deployment ``parallelize`` uses (``_plans.plan_deployer``).
@@ -93,11 +93,10 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-from bench._common import BenchConfig, eager_reference, parse_measuring_args, select  # noqa: E402
-from bench._plans import (Planner, cluster_summary, dumps, machine_info, plan_deployer,  # noqa: E402
+from _common import BenchConfig, eager_reference, parse_measuring_args, select
+from _plans import (Planner, cluster_summary, dumps, machine_info, plan_deployer,
                           profiled_cluster, rel_err, run_on_workers, sharding_deployer, spearman,
                           stage_op_counts, workload)
 

@@ -1,6 +1,6 @@
 """Benchmark the intra-op sharding ILP on whole GPT-3-shaped models as one stage.
 
-Each model (GPT-3 paper shapes via ``tests.zoo.gpt_config``: 1.3B = 24 layers
+Each model (GPT-3 paper shapes via ``alpa_torch.zoo.gpt_config``: 1.3B = 24 layers
 x 2048, 6.7B = 32 x 4096, 39B = 48 x 8192; vocab 51200, fp32, AdamW) is built
 on the ``meta`` device and its whole training step captured once with a small
 batch (default 8 sequences x 1024 tokens: the ILP's size does not depend on the
@@ -32,15 +32,14 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import torch  # noqa: E402
+import torch
 
-from alpa_torch.capture import capture  # noqa: E402
-from alpa_torch.cluster import Cluster  # noqa: E402
-from intra_ilp.cost_model import MeshCost  # noqa: E402
-from intra_ilp.stage import build_stage_instance, solve_stage  # noqa: E402
-from tests.zoo import GPT, gpt_config, make_optimizer, train_step  # noqa: E402
+from alpa_torch.capture import capture
+from alpa_torch.cluster import Cluster
+from intra_ilp.cost_model import MeshCost
+from intra_ilp.stage import build_stage_instance, solve_stage
+from alpa_torch.zoo import GPT, gpt_config, make_optimizer, train_step
 
 MODELS = ("1.3b", "6.7b", "39b")
 MESHES = ((1, 8), (2, 4), (8, 1))

@@ -6,8 +6,8 @@ Usage (from the repository root; about 5 minutes on a 2-core machine)::
     python bench/peers.py --small         # GPT vocab 1024, T 64, 4 layers, 4 heads, d 128, batch 8
     python bench/peers.py --peers ddp,fsdp2,alpa_auto --timed-steps 7
 
-Every peer trains the same seeded GPT (``tests.zoo.GPT``, AdamW, foreach off)
-on the same global batches (``bench._common.global_batch``) for
+Every peer trains the same seeded GPT (``alpa_torch.zoo.GPT``, AdamW, foreach off)
+on the same global batches (``_common.global_batch``) for
 ``--warmup-steps`` + ``--timed-steps`` steps; each worker is one process with
 one torch thread (gloo), started fresh for its peer.
 
@@ -28,7 +28,7 @@ one torch thread (gloo), started fresh for its peer.
 - ``alpa_auto``: alpa-torch's automatic plan for ``Cluster.local(1, 4)``
   profiled (``Cluster.profile()``, cached; what ``parallelize`` plans with that
   cluster, ``ParallelStep.make_plan``), run by its runtime on 4 Ray workers
-  (``bench._plans.run_on_workers``).
+  (``_plans.run_on_workers``).
 
 One JSON line per peer: peer, step_s (median over the timed steps of the
 slowest rank's step after a barrier; alpa-torch: the driver's wall time per
@@ -51,14 +51,13 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-from bench._common import (BenchConfig, _data_parallel_step, _ddp_worker, _init_rank,  # noqa: E402
+from _common import (BenchConfig, _data_parallel_step, _ddp_worker, _init_rank,
                            _pipeline_worker, _report, _spawn, _timed_loop, build_model, current_rss_mb,
                            eager_reference, global_batch, parse_measuring_args, select)
-from bench._plans import dumps, machine_info, plan_deployer, profiled_cluster, run_on_workers, workload  # noqa: E402
-from tests.zoo import lm_loss, make_optimizer  # noqa: E402
+from _plans import dumps, machine_info, plan_deployer, profiled_cluster, run_on_workers, workload
+from alpa_torch.zoo import lm_loss, make_optimizer
 
 log = logging.getLogger("peers")
 
@@ -142,7 +141,7 @@ def run_alpa(cfg: BenchConfig, reprofile: bool) -> dict:
     from alpa_torch.api import ParallelStep
     from alpa_torch.cluster import Cluster
     from runtime.ray_env import ensure_ray, stop_ray
-    from tests.zoo import train_step
+    from alpa_torch.zoo import train_step
 
     wl = workload(cfg)
     started = ensure_ray(Cluster.local(1, WORLD))

@@ -7,7 +7,7 @@ Usage (from the repository root; about 5 minutes on a 2-core machine)::
     python bench/runtime_vs_torch.py --cases dp4_1x4,pp2_1f1b --timed-steps 7 --breakdown
 
 Prints one JSON line per case, then one summary line. Every case trains the
-same seeded GPT (``tests.zoo.GPT``, AdamW via ``tests.zoo.make_optimizer``) on
+same seeded GPT (``alpa_torch.zoo.GPT``, AdamW via ``alpa_torch.zoo.make_optimizer``) on
 the same global batches, on local CPU "devices": one process and one torch
 thread each, gloo.
 
@@ -84,13 +84,12 @@ import sys
 import time
 from collections import Counter
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import torch  # noqa: E402
+import torch
 
-from bench._common import (BenchConfig, block_ranges, build_model, eager_reference, global_batch,  # noqa: E402
+from _common import (BenchConfig, block_ranges, build_model, eager_reference, global_batch,
                            median, run_torch_ddp, run_torch_pipeline, parse_measuring_args, select)
-from tests.zoo import make_optimizer, train_step  # noqa: E402
+from alpa_torch.zoo import make_optimizer, train_step
 
 log = logging.getLogger("runtime_vs_torch")
 

@@ -19,12 +19,11 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from alpa_torch import Cluster, parallelize  # noqa: E402
-from tests.zoo import GPT, GPTConfig, make_batch, make_optimizer, train_step  # noqa: E402
+from alpa_torch import Cluster, parallelize
+from alpa_torch.zoo import GPT, GPTConfig, make_batch, make_optimizer, train_step
 
 log = logging.getLogger("train_gpt")
 

@@ -7,7 +7,7 @@
     python examples/train_hf.py --family gpt2 --png plan.png
 
 Each model is built from a small config with random weights (nothing is
-downloaded; ``tests/zoo.py``: ``hf_gpt2``, ``hf_llama``, ``hf_bert``,
+downloaded; ``alpa_torch/zoo.py``: ``hf_gpt2``, ``hf_llama``, ``hf_bert``,
 ``hf_bert_mlm``, ``hf_t5``) and wrapped in a module whose ``loss(batch)`` calls
 the transformers model exactly as a user would (T5 with ``labels=``). The
 training step is the plain single-device one; ``parallelize`` captures, plans
@@ -28,13 +28,12 @@ import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from alpa_torch import Cluster, parallelize  # noqa: E402
-from alpa_torch.progress import PlanProgress  # noqa: E402
-from tests.zoo import build, make_batch, make_optimizer, train_step  # noqa: E402
+from alpa_torch import Cluster, parallelize
+from alpa_torch.progress import PlanProgress
+from alpa_torch.zoo import build, make_batch, make_optimizer, train_step
 
 FAMILIES = {"gpt2": "hf_gpt2", "llama": "hf_llama", "bert": "hf_bert", "bert-mlm": "hf_bert_mlm", "t5": "hf_t5"}
 

@@ -31,6 +31,21 @@ STATUS = {OPTIMAL: "optimal", highspy.HighsModelStatus.kTimeLimit: "time_limit",
           highspy.HighsModelStatus.kIterationLimit: "iteration_limit"}
 
 
+def quiet_highs():
+    """A HiGHS instance that prints nothing: ``output_flag`` off before any method that logs.
+
+    highspy's Python ``Highs.__init__`` (1.12 and later) enables its callbacks right after
+    constructing the solver, and that call writes HiGHS's banner to standard output
+    before any option can be set (HiGHS issues #1702, #2749). Constructing the compiled
+    base class, switching output off and only then using it keeps the banner out of the
+    user's standard output; older highspy without that base only logs once a method runs.
+    """
+    core = getattr(getattr(highspy, "_core", None), "_Highs", None)
+    h = core() if core is not None and issubclass(highspy.Highs, core) else highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    return h
+
+
 class HighsDirect:
     """``m`` (with flat binary ``m.x`` and ``m.x_offsets``) loaded into a ``highspy.Highs``."""
 
@@ -57,8 +72,7 @@ class HighsDirect:
         lp.row_upper_ = np.where(kind == -1, _INF, rhs)
         lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
         lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = a.indptr, a.indices, a.data
-        self.h = highspy.Highs()
-        self.h.setOptionValue("output_flag", False)
+        self.h = quiet_highs()
         if threads is not None:
             self.h.setOptionValue("threads", int(threads))
         self.h.passModel(lp)

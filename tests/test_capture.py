@@ -30,7 +30,7 @@ import torch.utils._pytree as pytree
 from alpa_torch.capture import GRAD_MARKER, capture
 from alpa_torch.errors import CaptureError, DataDependentControlFlowError, LossError, UnsupportedOperatorError
 from alpa_torch.optim import FunctionalOptimizer
-from tests.zoo import (
+from alpa_torch.zoo import (
     GPT, OPTIMIZERS, ZOO, GPTConfig, gpt_config, hf_gpt2, make_batch, make_optimizer, model_loss, train_step,
 )
 

@@ -29,7 +29,7 @@ from alpa_torch.remat import is_random, recompute_nodes, rematerialize
 from stage_dp.checkpointing import Checkpointing, choose_layers, stage_memory
 from stage_dp.layer_assign import assign_layers
 from stage_dp.search import plan
-from tests.zoo import ZOO, build, make_batch, make_optimizer, train_step
+from alpa_torch.zoo import ZOO, build, make_batch, make_optimizer, train_step
 
 ATOL = 1e-5
 

@@ -238,7 +238,7 @@ def _toy_plan():
     from alpa_torch.capture import capture
     from alpa_torch.cluster import Cluster
     from alpa_torch.explain import alternatives, plan_with_model, with_alternatives
-    from tests.zoo import ZOO, make_optimizer, train_step
+    from alpa_torch.zoo import ZOO, make_optimizer, train_step
 
     model, batch = ZOO["mlp"]()
     graph = capture(train_step, model, make_optimizer("adamw", model), batch)

@@ -415,7 +415,7 @@ def test_stage_ilp_prices_the_overhead_of_every_operator_that_runs():
 
     from alpa_torch.capture import capture
     from intra_ilp.stage import GRAD_MARKER_NAME, build_stage_instance
-    from tests.zoo import MLP, train_step
+    from alpa_torch.zoo import MLP, train_step
 
     torch.manual_seed(0)
     model = MLP(32, 64, 10)

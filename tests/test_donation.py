@@ -124,7 +124,7 @@ def _run_steps(donate: bool, steps: int = 4):
     from runtime.engine import Engine
     from runtime.group import WorkerGroup
     from tests.test_runtime import _force, _state
-    from tests.zoo import ZOO, make_batch, make_optimizer, train_step
+    from alpa_torch.zoo import ZOO, make_batch, make_optimizer, train_step
 
     model = copy.deepcopy(ZOO["gpt"]()[0])
     opt = make_optimizer("adamw", model)

@@ -1,7 +1,7 @@
 """Golden tests: Hugging Face models, unchanged, through ``parallelize`` on 2x2 devices.
 
 Each case builds a transformers model from a config (random weights, nothing
-downloaded; ``tests/zoo.py``), runs 3 steps of the automatically planned step on
+downloaded; ``alpa_torch/zoo.py``), runs 3 steps of the automatically planned step on
 ``Cluster.local(2, 2)`` (the session Ray) and compares every step's loss and every
 parameter afterwards with eager single-device training (fp32, atol 1e-5).
 
@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from alpa_torch import Cluster, parallelize
-from tests.zoo import build, make_batch, make_optimizer, train_step
+from alpa_torch.zoo import build, make_batch, make_optimizer, train_step
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("ray_session")

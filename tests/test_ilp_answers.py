@@ -34,7 +34,7 @@ from intra_ilp.cost_model import MeshCost
 from intra_ilp.ilp import min_peak_memory
 from intra_ilp.spec import P, R, S, ShardingSpec
 from intra_ilp.stage import build_stage_instance, solve_stage
-from tests.zoo import GPT, GPTConfig, make_optimizer, train_step
+from alpa_torch.zoo import GPT, GPTConfig, make_optimizer, train_step
 
 GAP = 1e-4
 COLUMN = ("attn.c_attn.weight", "mlp.0.weight")  # Megatron column-parallel: S(0) of [out, in]
@@ -158,7 +158,7 @@ def test_two_hosts_data_parallel_across_tensor_parallel_inside():
 
 
 def test_build_and_solve_are_deterministic():
-    from tests.zoo import ZOO
+    from alpa_torch.zoo import ZOO
 
     mesh = _mesh(1, 4, (2, 2))
     plans, instances = [], []
@@ -264,7 +264,7 @@ def test_a_batch_leaf_replicates_for_free():
     leaf to a consumer that wants it replicated costs nothing, from any of the leaf's specs;
     sharding it further still costs what the mesh charges."""
     from intra_ilp.stage import _Builder
-    from tests.zoo import ZOO, make_batch
+    from alpa_torch.zoo import ZOO, make_batch
 
     model, _ = ZOO["gpt"]()
     graph = capture(train_step, model, make_optimizer("adamw", model), make_batch("gpt", 8, seed=0))

@@ -133,7 +133,7 @@ def test_simulated_peak_matches_the_runtimes_live_heap():
     from intra_ilp.stage import solve_stage
     from runtime.interpreter import StageRunner, serialize_graph
     from runtime.profile import _OneDevice
-    from tests.zoo import GPT, GPTConfig, _lm_batch, make_optimizer, train_step
+    from alpa_torch.zoo import GPT, GPTConfig, _lm_batch, make_optimizer, train_step
 
     in_use = _mallinfo()
     torch.manual_seed(0)
@@ -176,7 +176,7 @@ def test_plan_memory_matches_build_plan():
     """``build_plan`` reports the simulated peak of every stage (``plan_memory``)."""
     from alpa_torch.cluster import Cluster
     from stage_dp.search import plan
-    from tests.zoo import GPT, GPTConfig, _lm_batch, train_step
+    from alpa_torch.zoo import GPT, GPTConfig, _lm_batch, train_step
 
     torch.manual_seed(0)
     model = GPT(GPTConfig.small(bias=False))

@@ -39,7 +39,7 @@ from alpa_torch.optim import FunctionalOptimizer, LossScaler
 from alpa_torch.plan import graph_fingerprint
 from alpa_torch.plan_cache import cache_key, key_fields
 from intra_ilp import cost_model as cm
-from tests.zoo import ZOO, make_batch, make_optimizer, model_loss, train_step
+from alpa_torch.zoo import ZOO, make_batch, make_optimizer, model_loss, train_step
 
 BF16_RTOL = 2.0**-8
 FP16_RTOL = 2.0**-11

@@ -20,7 +20,7 @@ from intra_ilp.cost_model import MeshCost
 from intra_ilp.stage import solve_stage
 from runtime.partition import partition, stage_of_nodes
 from stage_dp.layer_assign import assign_layers
-from tests.zoo import ZOO, make_batch, make_optimizer, train_step
+from alpa_torch.zoo import ZOO, make_batch, make_optimizer, train_step
 
 ATOL = 1e-5
 BATCH = 8
@@ -145,7 +145,7 @@ def test_partition_crossings_flow_forward_then_backward():
 
 
 def test_tied_weights_across_stages_are_refused():
-    from tests.zoo import GPT, GPTConfig
+    from alpa_torch.zoo import GPT, GPTConfig
 
     model = GPT(GPTConfig.tiny(tie_weights=True))
     graph = capture(train_step, model, make_optimizer("adam", model), make_batch("gpt", 4, seed=0))

@@ -13,7 +13,7 @@ import pytest
 from alpa_torch import Cluster, parallelize
 from alpa_torch.plan import ParallelPlan
 from alpa_torch.plan_cache import PlanCache, cache_key, default_root, key_fields, plan_decisions
-from tests.zoo import ZOO, make_optimizer, train_step
+from alpa_torch.zoo import ZOO, make_optimizer, train_step
 
 
 def _inputs():

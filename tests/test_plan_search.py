@@ -23,7 +23,7 @@ from alpa_torch.plan import ParallelPlan, tile_submeshes
 from stage_dp import assign_layers
 from stage_dp.search import plan, tied_spans
 from stage_dp.stage_costs import StageCostModel
-from tests.zoo import GPT, GPTConfig, _lm_batch, train_step
+from alpa_torch.zoo import GPT, GPTConfig, _lm_batch, train_step
 
 CLUSTERS = {
     "local1x4": lambda: Cluster.local(1, 4),

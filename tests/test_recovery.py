@@ -16,7 +16,7 @@ import pytest
 
 from alpa_torch import CheckpointError, Cluster, WorkerError, parallelize
 from runtime.engine import stage_failure
-from tests.zoo import ZOO, make_batch, make_optimizer, train_step
+from alpa_torch.zoo import ZOO, make_batch, make_optimizer, train_step
 
 ATOL = 1e-5
 

@@ -23,7 +23,7 @@ from alpa_torch.cluster import Cluster
 from alpa_torch.optim import FunctionalOptimizer
 from intra_ilp.cost_model import MeshCost
 from intra_ilp.stage import solve_stage
-from tests.zoo import ZOO, make_batch, make_optimizer, train_step
+from alpa_torch.zoo import ZOO, make_batch, make_optimizer, train_step
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 ATOL = 1e-5
@@ -356,7 +356,7 @@ def _dp_gpt():
     """A GPT whose activations outweigh its weights: the ILP's plan on the realistic (2, 2) mesh,
     batch S(0)S(0) and state RR forced, is pure data parallelism (the zoo's tiny GPT gathers
     its batch instead), with some gradients reduced in two steps (PP -> RP -> RR)."""
-    from tests.zoo import GPT, GPTConfig
+    from alpa_torch.zoo import GPT, GPTConfig
 
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=128))

@@ -26,7 +26,7 @@ def plan():
     from alpa_torch.capture import capture
     from alpa_torch.cluster import Cluster
     from alpa_torch.explain import plan_with_model
-    from tests.zoo import ZOO, make_optimizer, train_step
+    from alpa_torch.zoo import ZOO, make_optimizer, train_step
 
     model, batch = ZOO["mlp"]()
     graph = capture(train_step, model, make_optimizer("adamw", model), batch)

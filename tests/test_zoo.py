@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tests.zoo import (
+from alpa_torch.zoo import (
     GPT, OPTIMIZERS, ZOO, GPTConfig, build, gpt_config, hf_gpt2, hf_llama, make_batch,
     make_optimizer, model_loss, train_step,
 )
