@@ -40,7 +40,8 @@ import os
 import re
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -308,7 +309,8 @@ def _make_step_fn(train_step, model, functional, ins: _Inputs, batch_leaves, bat
         buffers = {n: by_name[n] for n in buffer_names}
         states = {p: {k: by_name[f"{p}.{k}"] for k in functional.state_names(p)} for p in functional.names}
         scalars = {n: by_name[n] for k, n in ins.specs if k == "host_scalar"}
-        batch_iter = iter(by_name[f"batch.{i}"] if isinstance(v, torch.Tensor) else v for i, v in enumerate(batch_leaves))
+        batch_iter = iter(by_name[f"batch.{i}"] if isinstance(v, torch.Tensor) else v
+                          for i, v in enumerate(batch_leaves))
         batch = pytree.tree_unflatten(list(batch_iter), batch_spec)
         amp = None
         if PRECISIONS[precision] is not None:

@@ -29,7 +29,15 @@ from pathlib import Path
 from typing import Any
 
 from .workloads import (  # noqa: F401 - re-exported for users of alpa_torch.cli
-    GPT3_SIZES, HF_FAMILIES, MODEL_HELP, REPO_ROOT, ZOO_MODELS, UsageError, Workload, _model_kwargs, _zoo,
+    GPT3_SIZES,
+    HF_FAMILIES,
+    MODEL_HELP,
+    REPO_ROOT,
+    ZOO_MODELS,
+    UsageError,
+    Workload,
+    _model_kwargs,
+    _zoo,
     load_workload,
 )
 
@@ -276,6 +284,7 @@ timeline as a Chrome/Perfetto trace (open it in ui.perfetto.dev)."""
     from .capture import capture
     from .progress import PlanProgress
 
+    _check_png(args)
     cluster = cluster_from_args(args)
     work = _workload(args)
     with PlanProgress(enabled=False if args.quiet else None) as bar:
@@ -289,6 +298,14 @@ timeline as a Chrome/Perfetto trace (open it in ui.perfetto.dev)."""
     print(plan.table(), flush=True)
     _write_outputs(args, plan)
     return 0
+
+
+def _check_png(args) -> None:
+    """--png needs matplotlib: say so before planning, not after."""
+    if getattr(args, "png", None):
+        from .errors import require_extra
+
+        require_extra("matplotlib", "plot", "--png")
 
 
 def _write_outputs(args, plan) -> None:
@@ -317,6 +334,7 @@ runner-ups are computed again (this re-solves the ILPs: as long as planning)."""
     from . import explain
     from .plan import ParallelPlan
 
+    _check_png(args)
     plan = ParallelPlan.from_json(args.plan_file)
     if args.model:
         plan = _replan_alternatives(args, plan)

@@ -53,3 +53,17 @@ class WorkerError(AlpaTorchError, RuntimeError):
 
 class CheckpointError(AlpaTorchError, ValueError):
     """A checkpoint cannot be written or read (missing, damaged, not this format, not this model)."""
+
+
+class MissingExtraError(AlpaTorchError, ImportError):
+    """An optional dependency is not installed; the message names the extra that brings it."""
+
+
+def require_extra(module: str, extra: str, purpose: str) -> None:
+    """Raise ``MissingExtraError`` unless ``module`` can be imported: ``purpose`` needs it, and
+    ``pip install "alpa-torch[extra]"`` installs it."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise MissingExtraError(f"{purpose} needs the {module} package, which is not installed. "
+                                f'Fix: pip install "alpa-torch[{extra}]" (or pip install {module})')

@@ -40,7 +40,7 @@ import dataclasses
 import logging
 import math
 import re
-from typing import Callable
+from collections.abc import Callable
 
 from .plan import ParallelPlan, _ranges
 

@@ -22,8 +22,8 @@ an identity; ``OpGraph.run`` executes it as one.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import torch
 import torch.fx as fx

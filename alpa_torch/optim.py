@@ -28,8 +28,8 @@ This module owns the maths only; ``capture`` decides where it is called.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 

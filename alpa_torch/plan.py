@@ -126,7 +126,7 @@ class StagePlan:
         return d
 
     @staticmethod
-    def from_dict(d: dict) -> "StagePlan":
+    def from_dict(d: dict) -> StagePlan:
         d = dict(d)
         d["sharding"] = StageSharding.from_dict(d["sharding"])
         for key in ("submesh", "device_ids", "logical_mesh", "recompute_layers"):
@@ -173,7 +173,7 @@ class ParallelPlan:
         return d
 
     @staticmethod
-    def from_dict(d: dict) -> "ParallelPlan":
+    def from_dict(d: dict) -> ParallelPlan:
         d = dict(d)
         version = d.get("format_version")
         if version != FORMAT_VERSION:
@@ -186,7 +186,7 @@ class ParallelPlan:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n")
 
     @staticmethod
-    def from_json(path: str | os.PathLike[str]) -> "ParallelPlan":
+    def from_json(path: str | os.PathLike[str]) -> ParallelPlan:
         try:
             data = json.loads(Path(path).read_text())
         except json.JSONDecodeError as exc:
@@ -258,7 +258,8 @@ class ParallelPlan:
         missing = [n for n in names if n not in self.layer_of]
         bad = {n: l for n, l in self.layer_of.items() if not 0 <= l < self.num_layers}
         if missing or bad:
-            raise PlanError(f"layer_of misses nodes {missing[:5]} or has layers out of range {dict(list(bad.items())[:5])}")
+            raise PlanError(f"layer_of misses nodes {missing[:5]} or has layers out of range "
+                            f"{dict(list(bad.items())[:5])}")
 
     def _check_tiling(self, cluster) -> None:
         seen: set[int] = set()

@@ -88,7 +88,7 @@ class PlanCache:
         self.root = Path(root)
 
     @staticmethod
-    def from_option(option: bool | str | os.PathLike[str] | None) -> "PlanCache | None":
+    def from_option(option: bool | str | os.PathLike[str] | None) -> PlanCache | None:
         """``parallelize``'s ``plan_cache``: False -> no cache, None/True -> default root, a path -> it."""
         if option is False:
             return None

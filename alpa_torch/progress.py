@@ -126,7 +126,7 @@ class PlanProgress:
             self._bar.close()
             self._bar = None
 
-    def __enter__(self) -> "PlanProgress":
+    def __enter__(self) -> PlanProgress:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -159,7 +159,7 @@ class TrainProgress:
             self._bar.close()
             self._bar = None
 
-    def __enter__(self) -> "TrainProgress":
+    def __enter__(self) -> TrainProgress:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -9,7 +9,8 @@ does not import Ray.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 from .cluster import (
     _MAX_CPU_DEVICES_PER_HOST,

@@ -93,7 +93,8 @@ def rematerialize(graph: OpGraph, layer_of: dict[str, int], layers) -> tuple[OpG
             with g.inserting_before(node):
                 for name in groups[layer]:
                     src = by_name[name]
-                    new = g.node_copy(src, lambda a: copies.get(a.name, a) if group_of.get(a.name) == layer else a)
+                    new = g.node_copy(src, lambda a, layer=layer: copies.get(a.name, a)
+                                      if group_of.get(a.name) == layer else a)
                     new.name = g._graph_namespace.create_name(name + COPY_SUFFIX, None)
                     new.meta = dict(src.meta)
                     copies[name] = new

@@ -35,6 +35,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .errors import require_extra
 from .plan import ParallelPlan, _ranges
 
 FORWARD_SHARE = 1.0 / 3.0
@@ -150,7 +151,7 @@ def draw_trace(ax, trace: dict, title: str | None = None, x_max_ms: float | None
     span = max((float(e.get("ts", 0)) + float(e.get("dur", 0)) - t0 for e in events), default=0.0) / 1e3
     index = {r: n for n, r in enumerate(rows)}
     width = x_max_ms or span or 1.0
-    for r, y in index.items():  # idle time shows through as hatched bubble
+    for _r, y in index.items():  # idle time shows through as hatched bubble
         ax.barh(y, width, left=0, height=0.8, color="white", edgecolor="0.85", hatch="////", linewidth=0)
     for e in events:
         y = index[(e.get("pid", 0), e.get("tid", 0))]
@@ -212,6 +213,7 @@ def _predicted_trace_rows(plan: ParallelPlan, timeline) -> dict:
 
 def plan_figure(plan: ParallelPlan, path: str | os.PathLike[str] | None = None):
     """Grid above predicted timeline; saved as PNG to ``path`` if given. Returns the Figure."""
+    require_extra("matplotlib", "plot", "drawing a plan (--png, viz.plan_figure)")
     from matplotlib.figure import Figure
 
     timeline = predicted_timeline(plan)
@@ -233,6 +235,7 @@ def plan_figure(plan: ParallelPlan, path: str | os.PathLike[str] | None = None):
 
 def timeline_from_trace(trace: Any, path: str | os.PathLike[str] | None = None, title: str | None = None):
     """Draw a Chrome/Perfetto trace (dict, JSON text or file; 'X' events) as a timeline PNG."""
+    require_extra("matplotlib", "plot", "drawing a trace (viz.timeline_from_trace)")
     from matplotlib.figure import Figure
 
     trace = load_trace(trace)
@@ -246,6 +249,7 @@ def timeline_from_trace(trace: Any, path: str | os.PathLike[str] | None = None, 
 
 def compare_traces(predicted: Any, measured: Any, path: str | os.PathLike[str] | None = None):
     """Predicted above measured, on one time axis (ms from each trace's first event)."""
+    require_extra("matplotlib", "plot", "drawing a trace (viz.compare_traces)")
     from matplotlib.figure import Figure
 
     traces = [load_trace(predicted), load_trace(measured)]

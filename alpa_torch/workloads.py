@@ -11,10 +11,12 @@ import importlib
 import importlib.util
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from .errors import require_extra
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GPT3_SIZES = ("1.3b", "2.6b", "6.7b", "15b", "39b")
@@ -88,6 +90,8 @@ def load_workload(spec: str, *, batch_size: int | None = None, dtype: str | None
     name = HF_FAMILIES.get(spec, spec.replace("-", "_"))
     if name not in zoo._ENTRIES and name != "demo":
         raise UsageError(f"unknown model {spec!r}: use {MODEL_HELP}")
+    if name.startswith("hf_"):
+        require_extra("transformers", "hf", f"the Hugging Face model {spec}")
     data = "gpt" if name == "demo" else name
     builder = {"demo": lambda **kw: zoo.GPT(zoo.GPTConfig.small(**kw)), "gpt": lambda **kw: zoo.GPT(
         zoo.GPTConfig.tiny(**kw))}.get(name) or zoo._ENTRIES[name][0]

@@ -22,8 +22,8 @@ Reading order: ``train_step`` / ``make_optimizer``, then the models, then ``ZOO`
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -131,15 +131,15 @@ class GPTConfig:
             raise ValueError(f"n_head={self.n_head} must divide n_embd={self.n_embd}")
 
     @classmethod
-    def tiny(cls, **kw) -> "GPTConfig":
+    def tiny(cls, **kw) -> GPTConfig:
         return cls(**{**dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32), **kw})
 
     @classmethod
-    def small(cls, **kw) -> "GPTConfig":
+    def small(cls, **kw) -> GPTConfig:
         return cls(**{**dict(vocab_size=128, block_size=32, n_layer=4, n_head=4, n_embd=64), **kw})
 
     @classmethod
-    def deep(cls, **kw) -> "GPTConfig":
+    def deep(cls, **kw) -> GPTConfig:
         """Many thin layers: for stage (pipeline) partitioning tests."""
         return cls(**{**dict(vocab_size=64, block_size=16, n_layer=8, n_head=2, n_embd=32), **kw})
 

@@ -29,7 +29,8 @@ peak-RSS counter is reset (``/proc/self/clear_refs`` = 5), so ``peak_mb`` is
 is the same difference for the live heap (glibc ``mallinfo2``: bytes malloc has
 handed out and not got back), its peak sampled after every operator of one extra
 step: what the program holds, without the freed pages the allocator keeps (RSS
-grows to about twice the live peak over a few steps on this runtime). It also contains what the runtime holds that the planner does not model
+grows to about twice the live peak over a few steps on this runtime). It also contains what the
+runtime holds that the planner does not model
 (during the functional optimizer update the old and the new parameters and
 optimizer state at once, the batch, transient DTensor / gloo buffers, modules
 and caches first loaded by a step, allocator slack), and misses nothing the
@@ -47,13 +48,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
 import numpy as np
 import torch
-
 from _common import BenchConfig, build_model, global_batch, median
-from runtime_vs_torch import (_breakdown, _worker_install_timers,
-                                    _worker_read_timers)
+from runtime_vs_torch import _breakdown, _worker_install_timers, _worker_read_timers
+
 from alpa_torch.zoo import make_optimizer, train_step
 
 log = logging.getLogger("bench.plans")
@@ -63,9 +62,8 @@ _MiB = 2.0**20
 
 def _ship_by_value() -> None:
     """Ray workers cannot import ``bench/``: send this module's and the timers' functions by value."""
-    from ray import cloudpickle
-
     import runtime_vs_torch
+    from ray import cloudpickle
 
     for module in (sys.modules[__name__], runtime_vs_torch):
         cloudpickle.register_pickle_by_value(module)

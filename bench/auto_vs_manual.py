@@ -57,16 +57,22 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import statistics
 import sys
 import time
 
-
-
 from _common import BenchConfig, eager_reference, global_batch, parse_measuring_args, select
-from _plans import (Planner, cluster_summary, dumps, machine_info, plan_deployer,
-                          profiled_cluster, run_on_workers, sharding_deployer, workload)
+from _plans import (
+    Planner,
+    cluster_summary,
+    dumps,
+    machine_info,
+    plan_deployer,
+    profiled_cluster,
+    run_on_workers,
+    sharding_deployer,
+    workload,
+)
 
 log = logging.getLogger("auto_vs_manual")
 

@@ -93,12 +93,21 @@ import statistics
 import sys
 import time
 
-
-
 from _common import BenchConfig, eager_reference, parse_measuring_args, select
-from _plans import (Planner, cluster_summary, dumps, machine_info, plan_deployer,
-                          profiled_cluster, rel_err, run_on_workers, sharding_deployer, spearman,
-                          stage_op_counts, workload)
+from _plans import (
+    Planner,
+    cluster_summary,
+    dumps,
+    machine_info,
+    plan_deployer,
+    profiled_cluster,
+    rel_err,
+    run_on_workers,
+    sharding_deployer,
+    spearman,
+    stage_op_counts,
+    workload,
+)
 
 log = logging.getLogger("fidelity")
 

@@ -28,18 +28,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import sys
 import time
-
 
 import torch
 
 from alpa_torch.capture import capture
 from alpa_torch.cluster import Cluster
+from alpa_torch.zoo import GPT, gpt_config, make_optimizer, train_step
 from intra_ilp.cost_model import MeshCost
 from intra_ilp.stage import build_stage_instance, solve_stage
-from alpa_torch.zoo import GPT, gpt_config, make_optimizer, train_step
 
 MODELS = ("1.3b", "6.7b", "39b")
 MESHES = ((1, 8), (2, 4), (8, 1))

@@ -47,16 +47,27 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import os
 import sys
 import time
 
-
-
-from _common import (BenchConfig, _data_parallel_step, _ddp_worker, _init_rank,
-                           _pipeline_worker, _report, _spawn, _timed_loop, build_model, current_rss_mb,
-                           eager_reference, global_batch, parse_measuring_args, select)
+from _common import (
+    BenchConfig,
+    _data_parallel_step,
+    _ddp_worker,
+    _init_rank,
+    _pipeline_worker,
+    _report,
+    _spawn,
+    _timed_loop,
+    build_model,
+    current_rss_mb,
+    eager_reference,
+    global_batch,
+    parse_measuring_args,
+    select,
+)
 from _plans import dumps, machine_info, plan_deployer, profiled_cluster, run_on_workers, workload
+
 from alpa_torch.zoo import lm_loss, make_optimizer
 
 log = logging.getLogger("peers")
@@ -123,7 +134,8 @@ def _tp_worker(rank, world, port, cfg, queue):
 
 
 TORCH_WORKERS = {"single": (_single_worker, 1), "ddp": (_ddp_worker, WORLD), "fsdp2": (_fsdp2_worker, WORLD),
-                 "tp": (_tp_worker, WORLD), "pipe_gpipe": (functools.partial(_pipeline_worker, schedule="gpipe"), WORLD),
+                 "tp": (_tp_worker, WORLD),
+                 "pipe_gpipe": (functools.partial(_pipeline_worker, schedule="gpipe"), WORLD),
                  "pipe_1f1b": (functools.partial(_pipeline_worker, schedule="1f1b"), WORLD)}
 
 
@@ -140,8 +152,8 @@ def run_torch(peer: str, cfg: BenchConfig) -> dict:
 def run_alpa(cfg: BenchConfig, reprofile: bool) -> dict:
     from alpa_torch.api import ParallelStep
     from alpa_torch.cluster import Cluster
-    from runtime.ray_env import ensure_ray, stop_ray
     from alpa_torch.zoo import train_step
+    from runtime.ray_env import ensure_ray, stop_ray
 
     wl = workload(cfg)
     started = ensure_ray(Cluster.local(1, WORLD))

@@ -46,21 +46,19 @@ import argparse
 import json
 import logging
 import math
-import os
 import resource
 import sys
 import time
-
 
 import torch
 
 from alpa_torch.capture import capture
 from alpa_torch.cluster import Cluster
 from alpa_torch.errors import InfeasibleMemoryError
+from alpa_torch.zoo import GPT, gpt_config, make_optimizer, train_step
 from stage_dp import assign_layers
 from stage_dp.search import build_tables, candidate_columns, microbatch_candidates, plan, step_time
 from stage_dp.stage_costs import StageCostModel
-from alpa_torch.zoo import GPT, gpt_config, make_optimizer, train_step
 
 MODELS = ("1.3b", "2.6b", "6.7b", "15b", "39b")
 DEVICES = {"v100": dict(device="v100-16gb", intra="nvlink2", inter="eth-25g"),

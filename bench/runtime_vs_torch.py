@@ -84,11 +84,20 @@ import sys
 import time
 from collections import Counter
 
-
 import torch
+from _common import (
+    BenchConfig,
+    block_ranges,
+    build_model,
+    eager_reference,
+    global_batch,
+    median,
+    parse_measuring_args,
+    run_torch_ddp,
+    run_torch_pipeline,
+    select,
+)
 
-from _common import (BenchConfig, block_ranges, build_model, eager_reference, global_batch,
-                           median, run_torch_ddp, run_torch_pipeline, parse_measuring_args, select)
 from alpa_torch.zoo import make_optimizer, train_step
 
 log = logging.getLogger("runtime_vs_torch")

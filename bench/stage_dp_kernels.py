@@ -56,7 +56,8 @@ def gpt_costs(num_layers: int, num_hosts: int, seed: int = 0):
     layer_time = np.full(num_layers, layer_s)
     layer_time[[0, -1]] *= 1.5
     weight_bytes[[0, -1]] *= 1.5
-    span = lambda x: (np.r_[0.0, np.cumsum(x)][None, 1:] - np.r_[0.0, np.cumsum(x)][:-1, None])
+    def span(x):
+        return (np.r_[0.0, np.cumsum(x)][None, 1:] - np.r_[0.0, np.cumsum(x)][:-1, None])
     t_sum, w_sum, a_sum = span(layer_time), span(weight_bytes), span(act_bytes)  # [L, L]
     sizes = submesh_sizes(num_hosts)
     rng = np.random.default_rng(seed)

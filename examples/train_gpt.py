@@ -19,7 +19,6 @@ import os
 import sys
 import time
 
-
 import torch
 
 from alpa_torch import Cluster, parallelize
@@ -34,7 +33,9 @@ def main(argv=None) -> int:
     p.add_argument("--devices", type=int, default=2, help="virtual devices per host")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--check", action="store_true", help="compare with eager single-device training")
+    p.add_argument("--check", action="store_true", help="compare with eager single-device training (exit 1 beyond "
+                   "--tolerance)")
+    p.add_argument("--tolerance", type=float, default=1e-4, help="--check: largest loss difference")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     for noisy in ("ray", "intra_ilp.ilp", "intra_ilp.reduce"):
@@ -50,7 +51,7 @@ def main(argv=None) -> int:
     model = GPT(GPTConfig.small())  # 4 layers, width 64, vocab 128
     reference = copy.deepcopy(model) if args.check else None
     optimizer = make_optimizer("adamw", model)
-    step = parallelize(train_step, cluster=cluster)
+    step = parallelize(train_step, cluster)
     try:
         t0 = time.perf_counter()
         losses = []
@@ -65,7 +66,10 @@ def main(argv=None) -> int:
             ref_opt = make_optimizer("adamw", reference)
             worst = max(abs(float(train_step(reference, ref_opt, make_batch("gpt", args.batch, seed=i)).detach()) - l)
                         for i, l in enumerate(losses))
-            print(f"max |loss - eager loss| = {worst:.3g}", flush=True)
+            ok = worst <= args.tolerance
+            print(f"max |loss - eager loss| = {worst:.3g} ({'ok' if ok else 'FAILED'}, tolerance {args.tolerance:g})",
+                  flush=True)
+            return 0 if ok else 1
     finally:
         step.shutdown()
     return 0

@@ -94,9 +94,10 @@ import heapq
 import itertools
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -208,7 +209,7 @@ class MeshCost:
     @classmethod
     def from_cluster(
         cls, cluster: Any, submesh: Any, logical_shape: Sequence[int], dtype: str = "float32"
-    ) -> "MeshCost":
+    ) -> MeshCost:
         """Build from a cluster description (duck-typed, see ``alpa_torch`` Cluster).
 
         Uses ``cluster.device.flops_per_s(dtype)`` (and ``cluster.device.peak_flops``, the
@@ -524,7 +525,8 @@ def reshard_s(
     OSDI'22, §4.1 resharding cost, with its alpha-beta collective model).
     """
     shape = tuple(int(x) for x in global_shape)
-    return _cost(mesh, _key(mesh, src, shape), _key(mesh, dst, shape), _canonical(shape, int(itemsize), mesh.mesh_shape))
+    return _cost(mesh, _key(mesh, src, shape), _key(mesh, dst, shape),
+                 _canonical(shape, int(itemsize), mesh.mesh_shape))
 
 
 def reshard_path(

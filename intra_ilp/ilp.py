@@ -146,8 +146,9 @@ def _add_follow(m: pe.ConcreteModel, prob: ReducedProblem, x: list, xo: list[int
     """follow[l,a]: x[leader,a] <= x[follower,map[a]], or x[leader,a] <= 0 when map[a] = -1."""
     rows = []
     for f, l, mp in prob.links:
-        rows += [LinearExpression([x[xo[l] + a]] + ([MonomialTermExpression((-1, x[xo[f] + int(t)]))] if t >= 0 else []))
-                 <= 0 for a, t in enumerate(mp.tolist())]
+        rows += [LinearExpression([x[xo[l] + a]]
+                                  + ([MonomialTermExpression((-1, x[xo[f] + int(t)]))] if t >= 0 else [])) <= 0
+                 for a, t in enumerate(mp.tolist())]
     _rows(m, "follow", rows)
 
 

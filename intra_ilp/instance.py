@@ -66,9 +66,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -269,7 +270,7 @@ class ILPInstance:
         return text
 
     @staticmethod
-    def from_json(text_or_path: str | Path) -> "ILPInstance":
+    def from_json(text_or_path: str | Path) -> ILPInstance:
         text = str(text_or_path)
         if isinstance(text_or_path, Path) or not text.lstrip().startswith("{"):
             text = Path(text_or_path).read_text()
@@ -286,7 +287,7 @@ class ILPInstance:
             raise ValueError(f"instance file must end in .json or .npz, got {path}")
 
     @staticmethod
-    def load(path: str | Path) -> "ILPInstance":
+    def load(path: str | Path) -> ILPInstance:
         path = Path(path)
         if path.suffix == ".npz":
             return load_npz(path)

@@ -34,9 +34,9 @@ passes repeat until none improves (at most ``MAX_PASSES``).
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Callable
 
-from typing import Callable
+import numpy as np
 
 from intra_ilp.reduce import ReducedProblem
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +82,7 @@ class ShardingSpec:
     __str__ = __repr__
 
     @staticmethod
-    def parse(text: str) -> "ShardingSpec":
+    def parse(text: str) -> ShardingSpec:
         """Inverse of ``repr``: ``ShardingSpec.parse('S(0)R')``."""
         pos, out = 0, []
         while pos < len(text):
@@ -94,7 +94,7 @@ class ShardingSpec:
         return ShardingSpec(tuple(out))
 
     @staticmethod
-    def replicated(mesh_ndim: int) -> "ShardingSpec":
+    def replicated(mesh_ndim: int) -> ShardingSpec:
         return ShardingSpec((R,) * mesh_ndim)
 
     @property
@@ -127,7 +127,8 @@ class ShardingSpec:
     def validate(self, tensor_ndim: int, mesh_shape: Sequence[int]) -> None:
         """Raise ValueError if this spec cannot describe a tensor of rank ``tensor_ndim``."""
         if len(mesh_shape) != self.mesh_ndim:
-            raise ValueError(f"spec {self} has {self.mesh_ndim} mesh axes, mesh {tuple(mesh_shape)} has {len(mesh_shape)}")
+            raise ValueError(f"spec {self} has {self.mesh_ndim} mesh axes, mesh {tuple(mesh_shape)} "
+                             f"has {len(mesh_shape)}")
         for p in self.placements:
             if p.is_shard and not 0 <= p.dim < tensor_ndim:
                 raise ValueError(f"spec {self} shards dim {p.dim} of a rank-{tensor_ndim} tensor")

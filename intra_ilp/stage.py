@@ -40,9 +40,9 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from . import cost_model as cm
 from alpa_torch.errors import PlanError
 
+from . import cost_model as cm
 from .instance import Follower, ILPEdge, ILPInstance, ILPNode
 from .spec import ShardingSpec
 from .strategies import Strategy, node_strategies, source_specs
@@ -90,7 +90,7 @@ class StageSharding:
         return d
 
     @staticmethod
-    def from_dict(d: dict) -> "StageSharding":
+    def from_dict(d: dict) -> StageSharding:
         d = dict(d)
         d["mesh_shape"] = tuple(d["mesh_shape"])
         d["value_specs"] = {k: ShardingSpec.parse(v) for k, v in d["value_specs"].items()}
@@ -263,7 +263,8 @@ class _Builder:
             for k, st in enumerate(opts):
                 frac, nbytes = _local_work(st, tensors, self.mesh.mesh_shape)
                 nbytes = 0.0 if facts.is_view else nbytes  # views move no data
-                comp[k] = cm.operator_s(self.mesh, facts.flops * frac, nbytes, facts.dtype)  # + the fixed cost per operator
+                # + the fixed cost per operator
+                comp[k] = cm.operator_s(self.mesh, facts.flops * frac, nbytes, facts.dtype)
         return comp, mem
 
     def _bytes(self, spec, val) -> float:
@@ -284,7 +285,8 @@ class _Builder:
             inputs.setdefault((s.kind, s.name), s)
         for spec in self.graph.outputs:
             stored = inputs.get((spec.kind, spec.name))
-            if stored is None or spec.node == stored.node or spec.node not in self.index or stored.node not in self.index:
+            if (stored is None or spec.node == stored.node or spec.node not in self.index
+                    or stored.node not in self.index):
                 continue
             out.append(self._edge(spec.node, stored.node, None))
         return out

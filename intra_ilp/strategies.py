@@ -19,14 +19,14 @@ import itertools
 import logging
 import operator
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.utils._pytree
 
-from .spec import P, R, S, Placement, ShardingSpec
+from .spec import P, Placement, R, S, ShardingSpec
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -57,7 +57,7 @@ def _ensure_fake_pg() -> None:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=_FAKE_WORLD)
 
 
-@lru_cache(maxsize=None)
+@cache
 def fake_mesh(mesh_shape: tuple[int, int]):
     """A DeviceMesh of ``mesh_shape`` on the fake process group (planning only)."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -232,7 +232,8 @@ def _dtensor_strategies(node: fx.Node, mesh, mesh_shape) -> list[Strategy] | Non
     out_shapes = [getattr(v, "shape", None) for v in out_vals]
     return [st for st in out
             if all(_shardable(sp, sh, mesh_shape) for sp, sh in zip(st.inputs, in_shapes))
-            and all(sp is None or sh is None or _shardable(sp, sh, mesh_shape) for sp, sh in zip(st.outputs, out_shapes))]
+            and all(sp is None or sh is None or _shardable(sp, sh, mesh_shape)
+                    for sp, sh in zip(st.outputs, out_shapes))]
 
 
 def _convert(op_strategy, n_inputs: int, n_outputs: int) -> list[Strategy]:

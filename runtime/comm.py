@@ -12,7 +12,7 @@ posted cannot deadlock.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ def mesh_placement(ranks, shape) -> MeshPlacement:
 _GATHER_TAG = 1 << 29
 
 
-@lru_cache(maxsize=None)
+@cache
 def _plan(shape, src_spec: str, src_mesh: MeshPlacement, dst_spec: str, dst_mesh: MeshPlacement,
           gather: bool = False):
     return plan_transfer(shape, ShardingSpec.parse(src_spec), src_mesh, ShardingSpec.parse(dst_spec), dst_mesh,

@@ -117,8 +117,8 @@ class Engine:
         d = sharding.to_dict()
         t0 = time.perf_counter()
         ranks = list(range(group.world_size))
-        group.call_all(_setup, pickle.dumps(serialize_graph(graph.gm)), {"value_specs": d["value_specs"], "input_specs": d["input_specs"]},
-                       io, ranks, list(sharding.mesh_shape))
+        specs = {"value_specs": d["value_specs"], "input_specs": d["input_specs"]}
+        group.call_all(_setup, pickle.dumps(serialize_graph(graph.gm)), specs, io, ranks, list(sharding.mesh_shape))
         group.call_all(_mark_rank, per_rank_args=[(r,) for r in ranks])
         log.info("deployed %d-device stage in %.2f s", len(ranks), time.perf_counter() - t0)
 

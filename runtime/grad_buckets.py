@@ -329,11 +329,46 @@ def replicate_over_world(value: DTensor, mesh) -> DTensor | None:
             return None  # uneven shards
         src = local.movedim(d, 0).contiguous()
         out = torch.empty((n * src.shape[0], *src.shape[1:]), dtype=src.dtype, device=src.device)
-        dist.all_gather_into_tensor(out, src)
+        dist.all_gather_single(out, src)
         out = out.movedim(0, d).contiguous() if d else out
     else:
         return None
     return DTensor.from_local(out, mesh, (Replicate(),) * mesh.ndim, run_check=False)
+
+
+def shard_to_shard(value: DTensor, placements: tuple) -> DTensor | None:
+    """``value`` moved from ``Shard(i)`` to ``Shard(j)`` on one mesh axis by one all-to-all, or None.
+
+    DTensor's own path on a gloo group (``shard_dim_alltoall``) all-gathers the whole
+    tensor and keeps a chunk, with a warning on every worker; gloo has an all-to-all, and
+    the cost model prices this move as one (``intra_ilp.cost_model``: all_to_all). Each
+    device cuts its local tensor into n chunks along ``j``, sends chunk k to the k-th
+    device of the axis and concatenates what it receives along ``i`` in axis order: the
+    layout DTensor would produce. Handled: exactly one axis changes, from one ``Shard`` to
+    another, no other axis shards dim i or j, both dims divide evenly, and the axis' group
+    runs gloo (NCCL: DTensor's own all-to-all). Anything else: None (the caller asks DTensor)."""
+    have = tuple(value.placements)
+    changed = [a for a, (p, q) in enumerate(zip(have, placements)) if p != q]
+    if len(changed) != 1:
+        return None
+    axis = changed[0]
+    src, dst = have[axis], placements[axis]
+    if not (type(src) is Shard and type(dst) is Shard):
+        return None
+    i, j = src.dim, dst.dim
+    mesh, n = value.device_mesh, value.device_mesh.size(axis)
+    others = [p for a, p in enumerate(have) if a != axis]
+    if any(isinstance(p, Shard) and p.dim in (i, j) for p in others):
+        return None
+    local = value.to_local()
+    group = mesh.get_group(axis)
+    if value.shape[i] % n or value.shape[j] % n or dist.get_backend(group) != "gloo":
+        return None
+    send = torch.stack(local.chunk(n, dim=j))  # [n, *chunk]: chunk k goes to the k-th device
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    out = torch.cat(received.unbind(0), dim=i)
+    return DTensor.from_local(out, mesh, placements, run_check=False, shape=value.shape, stride=value.stride())
 
 
 def gather_replicated(mesh, values: dict[str, DTensor], local: bool = False) -> dict[str, DTensor | torch.Tensor]:
@@ -375,7 +410,7 @@ def gather_replicated(mesh, values: dict[str, DTensor], local: bool = False) -> 
             continue
         flat = torch.cat([v.to_local().reshape(-1) for _, v, _ in layouts])
         gathered = torch.empty(len(ranks) * flat.numel(), dtype=dtype, device=flat.device)
-        dist.all_gather_into_tensor(gathered, flat, group=group)
+        dist.all_gather_single(gathered, flat, group=group)
         full = {name: torch.empty(v.shape, dtype=dtype, device=flat.device) for name, v, _ in layouts}
         for k in range(len(ranks)):
             offset = k * flat.numel()

@@ -55,8 +55,16 @@ from intra_ilp.spec import ShardingSpec
 from intra_ilp.strategies import to_dtensor_placements
 
 from .donation import INPLACE, donating, find_donations
-from .grad_buckets import (BUCKET_CAP_BYTES, GradBuckets, deferred_wants, find_reductions, gather_replicated,
-                           mesh_is_world, replicate_over_world)
+from .grad_buckets import (
+    BUCKET_CAP_BYTES,
+    GradBuckets,
+    deferred_wants,
+    find_reductions,
+    gather_replicated,
+    mesh_is_world,
+    replicate_over_world,
+    shard_to_shard,
+)
 from .program import CALL, GET_ATTR, GETITEM, MARKER, OUTPUT, Program, Ref, compile_program
 from .replay import InputMeta, StepReplay, agree, check_local, compile_local, meta_of, run_local, to_local, wrap
 
@@ -131,7 +139,8 @@ class StageRunner:
         """One device: plain tensors, no DTensor (every placement is trivially satisfied)."""
         self.rep = (Replicate(),) * self.mesh.ndim
         self.value_specs = {k: to_dtensor_placements(ShardingSpec.parse(v)) for k, v in value_specs.items()}
-        self.input_specs = {k: [to_dtensor_placements(ShardingSpec.parse(s)) for s in v] for k, v in input_specs.items()}
+        self.input_specs = {k: [to_dtensor_placements(ShardingSpec.parse(s)) for s in v]
+                            for k, v in input_specs.items()}
         self.inputs = io["inputs"]  # [(kind, name, node)]
         self.outputs = io["outputs"]
         self.stored_node = {(kind, name): node for kind, name, node in self.inputs}
@@ -380,6 +389,8 @@ class StageRunner:
                 fast = replicate_over_world(value, self.mesh)
                 if fast is not None and placements != self.rep:
                     fast = fast.redistribute(self.mesh, placements)
+            if fast is None:
+                fast = shard_to_shard(value, placements)
             value = fast if fast is not None else value.redistribute(self.mesh, placements)
         return value
 

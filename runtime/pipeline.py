@@ -158,7 +158,7 @@ class PipelineRunner:
             self._receive(env, mb, phase)
             final = mb == last_mb
             r.run(self.programs[phase], env, None if phase == "forward" else
-                  (lambda name, value, meta: self._grad(name, value, meta, final)))
+                  (lambda name, value, meta, final=final: self._grad(name, value, meta, final)))
             works += self._send(env, mb, phase)
             if phase == "forward" and self.loss_node is not None:
                 losses.append(float(_full(r.as_dtensor(self.loss_node, env[self.loss_node]))))

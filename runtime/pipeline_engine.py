@@ -85,7 +85,8 @@ def compute_order(schedule: str, num_stages: int, num_microbatches: int) -> list
     make = {"gpipe": gpipe, "1f1b": one_f_one_b}[schedule]
     out = []
     for program in make(num_stages, num_microbatches):
-        out.append([("F" if i.kind == FORWARD else "B", i.microbatch) for i in program if i.kind in (FORWARD, BACKWARD)])
+        out.append([("F" if i.kind == FORWARD else "B", i.microbatch)
+                    for i in program if i.kind in (FORWARD, BACKWARD)])
     return out
 
 
@@ -122,7 +123,8 @@ class PipelineEngine:
         }
         setup["gather"] = self._gather_flags(crossings, setup, cluster, dst_gather)
         records = pickle.dumps(serialize_graph(graph.gm))
-        group.call_all(_psetup, records, setup, per_rank_args=[(self.stage_of_rank[r],) for r in range(group.world_size)])
+        group.call_all(_psetup, records, setup,
+                       per_rank_args=[(self.stage_of_rank[r],) for r in range(group.world_size)])
         log.info("deployed %d stages, %d crossings, %d microbatches (%s)", len(stages), len(crossings),
                  num_microbatches, schedule)
 
@@ -142,7 +144,8 @@ class PipelineEngine:
             if cluster is not None:
                 hosts = {cluster.num_hosts > 1 and r // cluster.devices_per_host for r in self.stages[c.src].ranks}
                 hosts_dst = {cluster.num_hosts > 1 and r // cluster.devices_per_host for r in self.stages[c.dst].ranks}
-                cross_link = cluster.intra_host_link if hosts == hosts_dst and len(hosts) == 1 else cluster.inter_host_link
+                same_host = hosts == hosts_dst and len(hosts) == 1
+                cross_link = cluster.intra_host_link if same_host else cluster.inter_host_link
                 cross_beta, local_beta = cross_link.beta_s_per_byte, cluster.intra_host_link.beta_s_per_byte
             meshes = [mesh_placement(r, sh) for r, sh in zip(setup["ranks"], setup["shapes"])]
             flags.append(prefer_dst_gather(shape, src, meshes[c.src], dst, meshes[c.dst], 4, cross_beta, local_beta))

@@ -332,7 +332,7 @@ def _collective_op(name: str, buffers: tuple[torch.Tensor, ...], ranks: list[int
     """One call of ``name`` on ``group`` (global ``ranks``) with the cost model's b = ``full.nbytes``."""
     n, me = len(ranks), dist.get_rank()
     full, part, out = buffers
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch >= 2.13 renames
+    gather = dist.all_gather_single
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     if name == "allreduce":
         return lambda: dist.all_reduce(full, group=group)

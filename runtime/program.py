@@ -28,6 +28,7 @@ from typing import Any
 
 import torch.utils._pytree as pytree
 
+
 class Ref(str):
     """A reference to another node's value inside a serialized node's arguments."""
 

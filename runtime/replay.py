@@ -72,7 +72,7 @@ class StepReplay:
 
     __slots__ = ("inputs", "call", "redistribute")
 
-    def __init__(self, inputs: tuple, call: "LocalCall | None"):
+    def __init__(self, inputs: tuple, call: LocalCall | None):
         self.inputs = inputs
         """Per input: an ``InputMeta``, or None for a non-tensor."""
         self.call = call
@@ -82,7 +82,7 @@ class StepReplay:
         """``(input index, meta as read, placements wanted)`` of the plan's redistributions
         (meta None: a plain tensor, replicated, e.g. a factory operator's result)."""
 
-    def merge(self, other: "StepReplay") -> None:
+    def merge(self, other: StepReplay) -> None:
         """Another execution of the same operator (a pipeline's next microbatch): local only if
         both ran the same way."""
         if self.call != other.call or self.inputs != other.inputs:

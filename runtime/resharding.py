@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 
@@ -54,7 +54,7 @@ class MeshPlacement:
                 f"mesh {self.shape} needs {math.prod(self.shape)} distinct device ids, got {self.devices}")
 
     @staticmethod
-    def contiguous(shape: Sequence[int], first_device: int = 0) -> "MeshPlacement":
+    def contiguous(shape: Sequence[int], first_device: int = 0) -> MeshPlacement:
         """Mesh of ``shape`` over devices ``first_device, first_device + 1, ...``."""
         return MeshPlacement(tuple(shape), tuple(range(first_device, first_device + math.prod(shape))))
 
@@ -86,7 +86,7 @@ class Box:
     hi: tuple[int, ...]
 
     @staticmethod
-    def from_slices(slices: Sequence[slice]) -> "Box":
+    def from_slices(slices: Sequence[slice]) -> Box:
         return Box(tuple(s.start for s in slices), tuple(s.stop for s in slices))
 
     def __repr__(self) -> str:
@@ -108,16 +108,16 @@ class Box:
     def is_empty(self) -> bool:
         return self.numel == 0
 
-    def intersect(self, other: "Box") -> "Box":
+    def intersect(self, other: Box) -> Box:
         lo = tuple(max(a, b) for a, b in zip(self.lo, other.lo))
         hi = tuple(max(min(a, b), l) for a, b, l in zip(self.hi, other.hi, lo))
         return Box(lo, hi)
 
-    def relative_to(self, outer: "Box") -> tuple[slice, ...]:
+    def relative_to(self, outer: Box) -> tuple[slice, ...]:
         """This box as local slices of a tensor holding ``outer``."""
         return tuple(slice(a - o, b - o) for a, b, o in zip(self.lo, self.hi, outer.lo))
 
-    def split(self, parts: int, index: int) -> "Box":
+    def split(self, parts: int, index: int) -> Box:
         """Piece ``index`` of ``parts`` along the largest dim (``torch.chunk`` rule; may be empty)."""
         dim = max(range(len(self.shape)), key=lambda d: (self.shape[d], -d))
         lo, hi = chunk_bounds(self.lo[dim], self.hi[dim], parts, index)

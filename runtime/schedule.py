@@ -29,8 +29,8 @@ fraction of ``(S - 1) / (B + S - 1)`` (GPipe paper, §2.2).
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 class Kind(str, enum.Enum):

@@ -55,7 +55,7 @@ class Checkpointing:
     """The per-device budget the stages must meet (a number given as the option)."""
 
     @staticmethod
-    def parse(option) -> "Checkpointing":
+    def parse(option) -> Checkpointing:
         if isinstance(option, Checkpointing):
             return option
         if isinstance(option, str) and option in MODES:

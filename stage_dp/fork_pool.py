@@ -26,8 +26,8 @@ import os
 import sys
 import threading
 import traceback
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
-from typing import Callable, Sequence
 
 logger = logging.getLogger(__name__)
 

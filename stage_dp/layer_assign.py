@@ -41,8 +41,8 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -94,7 +94,7 @@ class LayerAssignment:
                 "update_crosses_layers": self.update_crosses_layers, "method": self.method}
 
     @staticmethod
-    def from_dict(d: Mapping) -> "LayerAssignment":
+    def from_dict(d: Mapping) -> LayerAssignment:
         return LayerAssignment(num_layers=int(d["num_layers"]), layer_of=dict(d["layer_of"]),
                                forward_flops=tuple(float(x) for x in d["forward_flops"]),
                                boundary_bytes=tuple(int(x) for x in d["boundary_bytes"]),
@@ -268,7 +268,8 @@ def _update_layers(graph, layer_of: dict, param_layer: dict) -> bool:
                 consumers.setdefault(u, []).append(name)
     crosses = False
     for name in reversed([n for n, v in graph.nodes.items() if v.phase == "update"]):
-        reach = [lo[c] for c in consumers.get(name, ()) if c in lo] + [hi[c] for c in consumers.get(name, ()) if c in hi]
+        users = consumers.get(name, ())
+        reach = [lo[c] for c in users if c in lo] + [hi[c] for c in users if c in hi]
         if state_layer.get(name) is not None:
             reach.append(state_layer[name])
         if not reach:  # feeds nothing we track: follow its inputs

@@ -365,7 +365,8 @@ def plan_memory(graph, layer_of: dict[str, int], stage_ranges, shardings, *, num
     out = []
     for k, prog in enumerate(programs):
         order = [(ins.kind.value, ins.microbatch) for ins in sched[k] if ins.kind.value in ("F", "B")]
-        received = {ph: [c.value for c in crossings if c.dst == k and c.consumed == ph] for ph in ("forward", "backward")}
+        received = {ph: [c.value for c in crossings if c.dst == k and c.consumed == ph]
+                    for ph in ("forward", "backward")}
         sent = {ph: [c.value for c in crossings if c.src == k and c.produced == ph] for ph in ("forward", "backward")}
         out.append(simulate_stage(graph, shardings[k], forward=list(prog.forward), backward=list(prog.backward),
                                   update=list(prog.update), num_microbatches=b, order=order, received=received,

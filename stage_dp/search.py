@@ -54,8 +54,8 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -300,7 +300,8 @@ def _check_options(cluster, schedule, pipeline, num_stages, submesh) -> int | No
             raise PlanError(f"pipeline=False means one stage, but num_stages={num_stages}")
         return 1
     if num_stages is not None and not 1 <= num_stages <= cluster.num_devices:
-        raise PlanError(f"num_stages={num_stages} must be in [1, {cluster.num_devices}] (one device per stage at least)")
+        raise PlanError(f"num_stages={num_stages} must be in [1, {cluster.num_devices}] "
+                        "(one device per stage at least)")
     return num_stages
 
 
@@ -371,7 +372,7 @@ def _search(model, columns, candidates, budget, schedule, scale, num_stages, sub
 
 
 def _raise_infeasible(model, columns, candidates, budget, schedule, scale, num_stages, sub_idx, pipeline,
-                      ckpt=Checkpointing("auto")):
+                      ckpt: Checkpointing):
     """InfeasibleMemoryError with the least per-device memory any candidate plan needs
     (bisection on the budget, at the largest B: the smallest activations), or
     PlanError if no plan exists even with unlimited memory."""

@@ -61,18 +61,17 @@ import logging
 import math
 import operator
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
 
 from alpa_torch.errors import InfeasibleMemoryError
+from alpa_torch.remat import recompute_nodes
 from intra_ilp import cost_model as cm
 from intra_ilp.ilp import min_peak_memory, solve_instance
 from intra_ilp.stage import StageSharding, build_stage_instance
-
-from alpa_torch.remat import recompute_nodes
 
 from .checkpointing import range_max
 from .fork_pool import default_workers, fork_map

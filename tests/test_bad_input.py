@@ -27,7 +27,7 @@ from alpa_torch import (
     capture,
     parallelize,
 )
-from alpa_torch.zoo import ZOO, GPT, GPTConfig, make_batch, make_optimizer, train_step
+from alpa_torch.zoo import GPT, ZOO, GPTConfig, make_batch, make_optimizer, train_step
 
 
 def _mlp():

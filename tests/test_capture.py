@@ -31,7 +31,16 @@ from alpa_torch.capture import GRAD_MARKER, capture
 from alpa_torch.errors import CaptureError, DataDependentControlFlowError, LossError, UnsupportedOperatorError
 from alpa_torch.optim import FunctionalOptimizer
 from alpa_torch.zoo import (
-    GPT, OPTIMIZERS, ZOO, GPTConfig, gpt_config, hf_gpt2, make_batch, make_optimizer, model_loss, train_step,
+    GPT,
+    OPTIMIZERS,
+    ZOO,
+    GPTConfig,
+    gpt_config,
+    hf_gpt2,
+    make_batch,
+    make_optimizer,
+    model_loss,
+    train_step,
 )
 
 ATOL = 1e-6

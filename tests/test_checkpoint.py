@@ -20,8 +20,8 @@ import torch
 
 from alpa_torch import CheckpointError, Cluster, load_checkpoint, load_into, parallelize
 from alpa_torch.cluster import LinkSpec
-from runtime import checkpoint as ckpt
 from alpa_torch.zoo import ZOO, make_batch, make_optimizer, train_step
+from runtime import checkpoint as ckpt
 
 ATOL = 1e-5
 

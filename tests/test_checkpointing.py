@@ -26,10 +26,10 @@ from alpa_torch.cluster import Cluster
 from alpa_torch.errors import InfeasibleMemoryError, PlanError
 from alpa_torch.optim import FunctionalOptimizer
 from alpa_torch.remat import is_random, recompute_nodes, rematerialize
+from alpa_torch.zoo import ZOO, build, make_batch, make_optimizer, train_step
 from stage_dp.checkpointing import Checkpointing, choose_layers, stage_memory
 from stage_dp.layer_assign import assign_layers
 from stage_dp.search import plan
-from alpa_torch.zoo import ZOO, build, make_batch, make_optimizer, train_step
 
 ATOL = 1e-5
 

@@ -122,6 +122,24 @@ def test_bad_arguments_through_the_entry_point():
         assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("args, module, extra", [
+    (["plan", "hf-gpt2", "--local", "1x2"], "transformers", "hf"),
+    (["plan", "mlp", "--local", "1x2", "--png", "plan.png"], "matplotlib", "plot"),
+])
+def test_a_missing_extra_is_named_in_one_line(run_main, monkeypatch, tmp_path, args, module, extra):
+    """Without an optional package the CLI names the extra to install, before any work, no traceback."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main(*args)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 1 and len(lines) == 1, err
+    assert f'pip install "alpa-torch[{extra}]"' in lines[0] and module in lines[0], err
+    assert "Traceback" not in err and not out
+
+
 # ------------------------------------------------------------------ plan and explain
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):

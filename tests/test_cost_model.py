@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from intra_ilp import cost_model as cm
 from intra_ilp.cost_model import (
@@ -414,8 +415,8 @@ def test_stage_ilp_prices_the_overhead_of_every_operator_that_runs():
     import torch
 
     from alpa_torch.capture import capture
-    from intra_ilp.stage import GRAD_MARKER_NAME, build_stage_instance
     from alpa_torch.zoo import MLP, train_step
+    from intra_ilp.stage import GRAD_MARKER_NAME, build_stage_instance
 
     torch.manual_seed(0)
     model = MLP(32, 64, 10)

@@ -119,12 +119,12 @@ def _run_steps(donate: bool, steps: int = 4):
     from alpa_torch.capture import capture
     from alpa_torch.cluster import Cluster
     from alpa_torch.optim import FunctionalOptimizer
+    from alpa_torch.zoo import ZOO, make_batch, make_optimizer, train_step
     from intra_ilp.cost_model import MeshCost
     from intra_ilp.stage import solve_stage
     from runtime.engine import Engine
     from runtime.group import WorkerGroup
     from tests.test_runtime import _force, _state
-    from alpa_torch.zoo import ZOO, make_batch, make_optimizer, train_step
 
     model = copy.deepcopy(ZOO["gpt"]()[0])
     opt = make_optimizer("adamw", model)

@@ -29,19 +29,19 @@ import torch
 
 from alpa_torch.capture import capture
 from alpa_torch.cluster import Cluster
+from alpa_torch.zoo import GPT, GPTConfig, make_optimizer, train_step
 from intra_ilp import strategies
 from intra_ilp.cost_model import MeshCost
 from intra_ilp.ilp import min_peak_memory
 from intra_ilp.spec import P, R, S, ShardingSpec
 from intra_ilp.stage import build_stage_instance, solve_stage
-from alpa_torch.zoo import GPT, GPTConfig, make_optimizer, train_step
 
 GAP = 1e-4
 COLUMN = ("attn.c_attn.weight", "mlp.0.weight")  # Megatron column-parallel: S(0) of [out, in]
 ROW = ("attn.c_proj.weight", "mlp.2.weight")  # row-parallel: S(1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _graph(n_layer: int, n_embd: int, n_head: int, vocab: int, seq: int, batch: int):
     """Whole-step OpGraph of an fp32 GPT (AdamW), captured on meta: no weights allocated."""
     cfg = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
@@ -263,8 +263,8 @@ def test_a_batch_leaf_replicates_for_free():
     """Every device receives the whole batch (``StageRunner.put_batch``): the edge from a batch
     leaf to a consumer that wants it replicated costs nothing, from any of the leaf's specs;
     sharding it further still costs what the mesh charges."""
-    from intra_ilp.stage import _Builder
     from alpa_torch.zoo import ZOO, make_batch
+    from intra_ilp.stage import _Builder
 
     model, _ = ZOO["gpt"]()
     graph = capture(train_step, model, make_optimizer("adamw", model), make_batch("gpt", 8, seed=0))

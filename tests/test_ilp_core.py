@@ -229,6 +229,7 @@ def test_cli(tmp_path: Path, suffix: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "intra_ilp.solve", str(path), "--gap", "0", "--time-limit", "20"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout.splitlines()) == 1, f"stdout holds more than the solution: {proc.stdout[:500]}"
     out = json.loads(proc.stdout)
     ref = solve_instance(inst, mip_gap=0.0)
     assert _close(out["objective_s"], ref.objective_s) and out["status"] == "optimal"

@@ -129,11 +129,11 @@ def test_simulated_peak_matches_the_runtimes_live_heap():
 
     from alpa_torch.cluster import Cluster
     from alpa_torch.optim import FunctionalOptimizer
+    from alpa_torch.zoo import GPT, GPTConfig, _lm_batch, make_optimizer, train_step
     from intra_ilp.cost_model import MeshCost
     from intra_ilp.stage import solve_stage
     from runtime.interpreter import StageRunner, serialize_graph
     from runtime.profile import _OneDevice
-    from alpa_torch.zoo import GPT, GPTConfig, _lm_batch, make_optimizer, train_step
 
     in_use = _mallinfo()
     torch.manual_seed(0)
@@ -175,8 +175,8 @@ def test_simulated_peak_matches_the_runtimes_live_heap():
 def test_plan_memory_matches_build_plan():
     """``build_plan`` reports the simulated peak of every stage (``plan_memory``)."""
     from alpa_torch.cluster import Cluster
-    from stage_dp.search import plan
     from alpa_torch.zoo import GPT, GPTConfig, _lm_batch, train_step
+    from stage_dp.search import plan
 
     torch.manual_seed(0)
     model = GPT(GPTConfig.small(bias=False))
@@ -187,7 +187,7 @@ def test_plan_memory_matches_build_plan():
                       [s.sharding for s in p.stages], num_microbatches=2, schedule=p.schedule)
     assert [s.memory_bytes for s in p.stages] == [e.peak_bytes for e in est]
     assert p.peak_memory_bytes == max(e.peak_bytes for e in est)
-    for s, e in zip(p.stages, est):  # the optimizer's old and new state, gradients: above the DP's rule
+    for _s, e in zip(p.stages, est):  # the optimizer's old and new state, gradients: above the DP's rule
         assert e.peak_bytes >= e.state_bytes + e.grad_bytes
         assert e.phase in ("forward", "backward", "update")
 

@@ -38,8 +38,8 @@ from alpa_torch.errors import PlanError
 from alpa_torch.optim import FunctionalOptimizer, LossScaler
 from alpa_torch.plan import graph_fingerprint
 from alpa_torch.plan_cache import cache_key, key_fields
-from intra_ilp import cost_model as cm
 from alpa_torch.zoo import ZOO, make_batch, make_optimizer, model_loss, train_step
+from intra_ilp import cost_model as cm
 
 BF16_RTOL = 2.0**-8
 FP16_RTOL = 2.0**-11
@@ -221,9 +221,9 @@ def test_bf16_gpt_trains_like_eager_autocast():
 def test_bf16_tensor_parallel_collectives_match_eager(bf16_gpt):
     """A plan that shards (cheap communication makes the ILP split the matmuls): bf16
     partial sums cross gloo; same tolerances as above."""
+    from intra_ilp.stage import solve_stage
     from runtime.engine import Engine
     from runtime.group import WorkerGroup
-    from intra_ilp.stage import solve_stage
 
     eager, _ = ZOO["gpt"]()
     model = copy.deepcopy(eager)

@@ -9,10 +9,10 @@ constant). Parameters and every state tensor must agree within 1e-6.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from alpa_torch.errors import CaptureError
 from alpa_torch.optim import FunctionalOptimizer, update

@@ -8,7 +8,6 @@ training of the full batch (fp32, atol 1e-5).
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
@@ -16,11 +15,11 @@ from alpa_torch.capture import capture
 from alpa_torch.cluster import Cluster
 from alpa_torch.errors import BatchSplitError, PlanError
 from alpa_torch.optim import FunctionalOptimizer
+from alpa_torch.zoo import ZOO, make_batch, make_optimizer, train_step
 from intra_ilp.cost_model import MeshCost
 from intra_ilp.stage import solve_stage
 from runtime.partition import partition, stage_of_nodes
 from stage_dp.layer_assign import assign_layers
-from alpa_torch.zoo import ZOO, make_batch, make_optimizer, train_step
 
 ATOL = 1e-5
 BATCH = 8

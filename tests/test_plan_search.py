@@ -20,10 +20,10 @@ from alpa_torch.capture import capture
 from alpa_torch.cluster import Cluster
 from alpa_torch.errors import BatchSplitError, InfeasibleMemoryError, PlanError
 from alpa_torch.plan import ParallelPlan, tile_submeshes
+from alpa_torch.zoo import GPT, GPTConfig, _lm_batch, train_step
 from stage_dp import assign_layers
 from stage_dp.search import plan, tied_spans
 from stage_dp.stage_costs import StageCostModel
-from alpa_torch.zoo import GPT, GPTConfig, _lm_batch, train_step
 
 CLUSTERS = {
     "local1x4": lambda: Cluster.local(1, 4),

@@ -13,7 +13,14 @@ from alpa_torch.cluster import COLLECTIVES, Cluster
 from alpa_torch.errors import ClusterSpecError
 from intra_ilp import cost_model as cm
 from runtime.profile import (
-    ProfileError, _calibrated, _chunk_elems, _Plan, fit_alpha_beta, link_groups, profile_cluster, regressor_bytes,
+    ProfileError,
+    _calibrated,
+    _chunk_elems,
+    _Plan,
+    fit_alpha_beta,
+    link_groups,
+    profile_cluster,
+    regressor_bytes,
 )
 
 _KiB, _MiB = 2**10, 2**20

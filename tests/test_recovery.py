@@ -15,8 +15,8 @@ import time
 import pytest
 
 from alpa_torch import CheckpointError, Cluster, WorkerError, parallelize
-from runtime.engine import stage_failure
 from alpa_torch.zoo import ZOO, make_batch, make_optimizer, train_step
+from runtime.engine import stage_failure
 
 ATOL = 1e-5
 

@@ -21,9 +21,9 @@ import torch
 from alpa_torch.capture import capture
 from alpa_torch.cluster import Cluster
 from alpa_torch.optim import FunctionalOptimizer
+from alpa_torch.zoo import ZOO, make_batch, make_optimizer, train_step
 from intra_ilp.cost_model import MeshCost
 from intra_ilp.stage import solve_stage
-from alpa_torch.zoo import ZOO, make_batch, make_optimizer, train_step
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 ATOL = 1e-5
@@ -346,7 +346,8 @@ def _read_redistribution_log(state):
     runner = state["runner"]
     log = state["redistributions"]
     return {"partial": [str(e) for e in log if any(p.is_partial() for p in e[0])],
-            "gathered_2d": [str(e) for e in log if all(p.is_shard() for p in e[0]) and not any(p.is_shard() for p in e[1])],
+            "gathered_2d": [str(e) for e in log
+                            if all(p.is_shard() for p in e[0]) and not any(p.is_shard() for p in e[1])],
             "axes": sorted({r.axes for r in runner.reductions.values()}),
             "bucketed": len(runner.reductions),
             "collectives": runner.buckets.collectives if runner.buckets is not None else 0}
@@ -435,6 +436,7 @@ def _flat_collectives_check(state):
         gather_replicated,
         mesh_is_world,
         replicate_over_world,
+        shard_to_shard,
     )
 
     mesh = DeviceMesh("cpu", torch.arange(4).reshape(2, 2))
@@ -470,6 +472,20 @@ def _flat_collectives_check(state):
         got, want = runner._place(v, target), v.redistribute(mesh, target)
         assert got.placements == target
         torch.testing.assert_close(got.to_local(), want.to_local(), rtol=1e-6, atol=1e-6)
+    # Shard(i) -> Shard(j) on one axis: one gloo all-to-all, DTensor's layout (its own path on
+    # gloo all-gathers the whole tensor, with a warning).
+    x = torch.randn(8, 4, 6, generator=torch.Generator().manual_seed(1))
+    for have, want in [((Shard(0), Replicate()), (Shard(1), Replicate())),
+                       ((Replicate(), Shard(2)), (Replicate(), Shard(0))),
+                       ((Shard(1), Shard(2)), (Shard(1), Shard(0)))]:
+        v = distribute_tensor(x, mesh, have, src_data_rank=None)
+        got = shard_to_shard(v, want)
+        assert got is not None and got.placements == want, (have, want)
+        assert torch.equal(got.to_local(), v.redistribute(mesh, want).to_local()), (have, want)
+        assert torch.equal(got.full_tensor(), x)
+    odd = distribute_tensor(torch.randn(8, 5), mesh, (Shard(0), Replicate()), src_data_rank=None)
+    assert shard_to_shard(odd, (Shard(1), Replicate())) is None  # 5 does not split over 2
+    checked.append("all_to_all")
     specs = {"a": (Shard(1), Shard(0)), "b": (Shard(1), Shard(0)), "c": (Replicate(), Shard(0)),
              "odd": (Shard(1), Shard(0)), "idx": (Shard(0), Shard(1))}
     values = {k: distribute_tensor(full[k], mesh, p, src_data_rank=None) for k, p in specs.items()}
@@ -481,13 +497,14 @@ def _flat_collectives_check(state):
 
 
 def test_flat_collectives_equal_dtensor():
-    """``replicate_over_world`` (one collective over a 2-D mesh that is the world) and
-    ``gather_replicated`` (one flat all-gather for many tensors) give DTensor's results."""
+    """``replicate_over_world`` (one collective over a 2-D mesh that is the world),
+    ``gather_replicated`` (one flat all-gather for many tensors) and ``shard_to_shard`` (one
+    all-to-all) give DTensor's results."""
     from runtime.group import WorkerGroup
 
     with WorkerGroup.start(Cluster.local(2, 2)) as group:
         results = group.call_all(_flat_collectives_check)
-    assert results == [["a", "b", "idx", "sum", "avg"]] * 4
+    assert results == [["a", "b", "idx", "sum", "avg", "all_to_all"]] * 4
 
 
 def _install_integer_gather_log(state):

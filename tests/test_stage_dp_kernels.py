@@ -19,8 +19,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from stage_dp import (NoFeasiblePlanError, brute_force_cluster_layers, brute_force_stage_dp,
-                      cluster_layers, cluster_layers_detailed, solve_stage_dp)
+from stage_dp import (
+    NoFeasiblePlanError,
+    brute_force_cluster_layers,
+    brute_force_stage_dp,
+    cluster_layers,
+    cluster_layers_detailed,
+    solve_stage_dp,
+)
 from stage_dp import dp as dp_mod
 from stage_dp.kernels import NO_NUMBA_ENV, kernels
 

@@ -16,8 +16,18 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from alpa_torch.zoo import (
-    GPT, OPTIMIZERS, ZOO, GPTConfig, build, gpt_config, hf_gpt2, hf_llama, make_batch,
-    make_optimizer, model_loss, train_step,
+    GPT,
+    OPTIMIZERS,
+    ZOO,
+    GPTConfig,
+    build,
+    gpt_config,
+    hf_gpt2,
+    hf_llama,
+    make_batch,
+    make_optimizer,
+    model_loss,
+    train_step,
 )
 
 NAMES = sorted(ZOO)
