@@ -47,6 +47,19 @@ class BatchSplitError(AlpaTorchError, ValueError):
     """The batch does not split into the requested microbatches or shards."""
 
 
+class IndexRangeError(AlpaTorchError, IndexError):
+    """A batch tensor holds an index (token id, class label) outside what the operator reading it accepts."""
+
+    def __init__(self, message: str, *, name: str, value: int, position: tuple[int, ...], valid: tuple[int, int]):
+        super().__init__(message)
+        self.name, self.value, self.position, self.valid = name, value, position, valid
+
+
+class StepUsageError(AlpaTorchError, RuntimeError):
+    """The parallel step was called in a way its live state cannot follow (another model or
+    optimizer object than the one it trains, a call after ``shutdown()``)."""
+
+
 class WorkerError(AlpaTorchError, RuntimeError):
     """A worker failed or died while running a step."""
 
