@@ -133,8 +133,9 @@ class WorkerGroup:
         # Rank 0 hosts the TCP store: loopback for local devices, else rank 0's node as Ray knows it
         # (Ray 2.60 turns _node_ip_address='127.0.0.1' into the routable IP, so ask for loopback here).
         addr = "127.0.0.1" if self.cluster.is_local else self.infos[0].node_ip
-        port = self._gather([self._actors[0].free_port.remote(addr)], [0], timeout_s, "rendezvous port")[0]
         n = self.cluster.num_devices
+        port = self._gather([self._actors[0].host_store.remote(addr, n, collective_timeout_s)], [0], timeout_s,
+                            "rendezvous store")[0]
         refs = [a.init_process_group.remote(r, n, addr, port, self.cluster.backend, collective_timeout_s)
                 for r, a in enumerate(self._actors)]
         self._gather(refs, range(n), timeout_s, f"init_process_group({self.cluster.backend} at {addr}:{port})")

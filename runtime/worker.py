@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from ray import cloudpickle
 
+from .wire import to_wire
+
 logger = logging.getLogger(__name__)
 
 WorkerFn = Callable[..., Any]
@@ -39,23 +41,14 @@ WorkerFn = Callable[..., Any]
 
 def to_numpy(value: Any) -> Any:
     """``value`` with every torch tensor in nested lists, tuples and dicts replaced by a numpy array
-    (bfloat16 becomes float32: numpy has no bfloat16)."""
+    (``wire.Bits`` for a dtype numpy lacks, e.g. bfloat16: ``wire.from_wire`` gives it back)."""
     if isinstance(value, torch.Tensor):
-        value = value.detach().cpu()
-        # numpy has no bfloat16; float32 holds every bfloat16 value exactly.
-        return (value.float() if value.dtype == torch.bfloat16 else value).numpy()
+        return to_wire(value)
     if isinstance(value, dict):
         return {k: to_numpy(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):  # NamedTuples pass as they are
         return type(value)(to_numpy(v) for v in value)
     return value
-
-
-def free_port(host: str) -> int:
-    """A TCP port free on ``host`` right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 class DeviceWorker:
@@ -86,17 +79,24 @@ class DeviceWorker:
         """True; answers once the actor is up and not busy."""
         return True
 
-    def free_port(self, host: str) -> int:
-        """A TCP port free on ``host`` of this worker's node, for rank 0 to host the TCP store."""
-        return free_port(host)
+    def host_store(self, host: str, world_size: int, timeout_s: float = 60.0) -> int:
+        """Rank 0: start the rendezvous store on ``host`` at a port the OS picks while binding it
+        (no port is chosen first and bound later, so no other process can take it in between);
+        returns the port."""
+        store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        self.state["_store"] = store
+        return int(store.port)
 
     def init_process_group(self, rank: int, world_size: int, master_addr: str, master_port: int,
                            backend: str, timeout_s: float = 60.0) -> bool:
-        """Join the torch.distributed group of ``world_size`` ranks at ``master_addr:master_port``."""
+        """Join the torch.distributed group of ``world_size`` ranks whose store rank 0 hosts at
+        ``master_addr:master_port`` (``host_store``)."""
         assert rank == self.state["rank"], f"rank {rank} sent to the worker of rank {self.state['rank']}"
-        dist.init_process_group(backend=backend, init_method=f"tcp://{master_addr}:{master_port}",
-                                rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = self.state.pop("_store", None) or dist.TCPStore(master_addr, master_port, world_size,
+                                                                 is_master=False, timeout=timeout)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         self.state["world_size"] = world_size
         return True
 
