@@ -7,12 +7,15 @@ single-tensor code path of torch 2.13 (``torch/optim/sgd.py``,
 ``torch/optim/adam.py``) operation by operation; tests check them against
 ``torch.optim`` on every zoo model.
 
-Values that change from step to step or that a learning-rate scheduler may
-change (``lr``, Adam's bias corrections) are not baked into the graph: they are
-*host scalars*, computed here on the driver each step from the user's
-``param_groups`` and fed to the graph as 0-dim float64 tensors. Constants of a
-group (betas, eps, momentum, weight decay) are baked in; changing one of those
-after capture is detected by ``FunctionalOptimizer.check_unchanged``.
+Values that change from step to step or that a scheduler may change are not
+baked into the graph: they are *host scalars*, computed here on the driver each
+step from the user's ``param_groups`` and fed to the graph as 0-dim float64
+tensors: ``lr``, Adam's bias corrections, Adam's ``beta1`` and SGD's
+``momentum`` (``OneCycleLR`` and ``CyclicLR`` cycle them) and AdamW's decoupled
+weight decay. The other hyper-parameters of a group (``beta2``, ``eps``,
+Adam's coupled weight decay, SGD's dampening, nesterov's momentum, flags) are
+baked in; ``FunctionalOptimizer.constants_changed`` tells the caller when one
+of those moved, and the caller captures the step again.
 
 Mixed precision with fp16 (``precision="fp16"``) adds dynamic loss scaling
 (``LossScaler``, the maths of ``torch.amp.GradScaler``) as graph state, and a
@@ -28,6 +31,7 @@ This module owns the maths only; ``capture`` decides where it is called.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -55,21 +59,26 @@ class GroupConfig:
     amsgrad: bool = False
     decoupled: bool = False
     """AdamW-style decay ``param *= 1 - lr * weight_decay``."""
+    full_precision: bool = True
+    """Every parameter of the group is float32 or float64: a Python-scalar factor of the update
+    and the same factor as a 0-dim tensor give the same bits (for bf16 / fp16 parameters they
+    do not: the kernels round a tensor factor to the low precision first)."""
 
 
 def _group_config(optimizer: torch.optim.Optimizer, group: Mapping) -> GroupConfig:
     name = type(optimizer).__name__
+    full = all(p.dtype in (torch.float32, torch.float64) for p in group["params"])
     if name == "SGD":
         return GroupConfig(
             kind="sgd", momentum=float(group["momentum"]), dampening=float(group["dampening"]),
             nesterov=bool(group["nesterov"]), weight_decay=float(group["weight_decay"]),
-            maximize=bool(group["maximize"]),
+            maximize=bool(group["maximize"]), full_precision=full,
         )
     beta1, beta2 = (float(b) for b in group["betas"])
     return GroupConfig(
         kind="adam", weight_decay=float(group["weight_decay"]), maximize=bool(group["maximize"]),
         beta1=beta1, beta2=beta2, eps=float(group["eps"]), amsgrad=bool(group["amsgrad"]),
-        decoupled=bool(group.get("decoupled_weight_decay", name == "AdamW")),
+        decoupled=bool(group.get("decoupled_weight_decay", name == "AdamW")), full_precision=full,
     )
 
 
@@ -80,23 +89,69 @@ def state_names(cfg: GroupConfig) -> tuple[str, ...]:
     return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if cfg.amsgrad else ("exp_avg", "exp_avg_sq")
 
 
-def host_scalar_names(cfg: GroupConfig) -> tuple[str, ...]:
+def moving(cfg: GroupConfig) -> tuple[str, ...]:
+    """The hyper-parameters of a group sent as host scalars every step (a scheduler may move
+    them): the ones the update multiplies by a tensor, never an operator's Python scalar
+    argument (nesterov's ``add(alpha=momentum)``, ``addcmul(value=1 - beta2)``), and only where
+    that gives eager's bits (``GroupConfig.full_precision``). AdamW's decay is computed on the
+    host whatever the dtype (``1 - lr * weight_decay``, a float64 factor either way)."""
+    decay = ("weight_decay",) if cfg.kind == "adam" and cfg.decoupled else ()
+    if not cfg.full_precision:
+        return decay
     if cfg.kind == "sgd":
-        return ("neg_lr", "first_step")
-    return ("neg_step_size", "bias_correction2_sqrt", "decay")
+        return ("momentum",) if cfg.momentum != 0 and not cfg.nesterov else ()
+    return ("beta1", *decay)
 
 
-def host_scalars(cfg: GroupConfig, lr: float, step: int) -> dict[str, float]:
-    """Per-step scalars of a group for the optimizer step number ``step`` (1-based)."""
+def baked(cfg: GroupConfig) -> tuple:
+    """What the graph bakes in of a group: every field but the ``moving`` ones (and whether
+    SGD's momentum is on at all: it decides the state the update keeps)."""
+    skip = moving(cfg)
+    return tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name not in skip) + (
+        ("momentum_on", cfg.momentum != 0),)
+
+
+def host_scalars(cfg: GroupConfig, group: Mapping, step: int) -> dict[str, float]:
+    """Per-step scalars of a group for the optimizer step number ``step`` (1-based), from the
+    group's current values (``group``: the user's ``param_group``)."""
+    lr = float(group["lr"])
     if cfg.kind == "sgd":
-        return {"neg_lr": -lr, "first_step": 1.0 if step == 1 else 0.0}
-    bias_correction1 = 1 - cfg.beta1**step
-    bias_correction2 = 1 - cfg.beta2**step
-    return {
-        "neg_step_size": -(lr / bias_correction1),
-        "bias_correction2_sqrt": bias_correction2**0.5,
-        "decay": 1 - lr * cfg.weight_decay,
+        out = {"neg_lr": -lr, "first_step": 1.0 if step == 1 else 0.0}
+        if "momentum" in moving(cfg):
+            out["momentum"] = float(group["momentum"])
+        return out
+    beta1 = float(group["betas"][0]) if "beta1" in moving(cfg) else cfg.beta1
+    weight_decay = float(group["weight_decay"]) if "weight_decay" in moving(cfg) else cfg.weight_decay
+    out = {
+        "neg_step_size": -(lr / (1 - beta1**step)),
+        "bias_correction2_sqrt": (1 - cfg.beta2**step) ** 0.5,
+        "decay": 1 - lr * weight_decay,
     }
+    if "beta1" in moving(cfg):
+        out["one_minus_beta1"] = 1 - beta1
+    return out
+
+
+def _scaled(x: torch.Tensor, scalar: torch.Tensor, divide: bool = False) -> torch.Tensor:
+    """``x * scalar`` (or ``x / scalar``) for a 0-dim float64 host scalar, rounded as torch's kernels
+    round ``x.mul_(python_float)``: in float32 arithmetic for bf16 / fp16 ``x`` (the kernels' opmath
+    type), the result rounded once to ``x``'s dtype; natively for float32 / float64."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return x / scalar if divide else x * scalar
+    wide, s = x.float(), scalar.float()
+    return (wide / s if divide else wide * s).to(x.dtype)
+
+
+def _add_scaled(param: torch.Tensor, scalar: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor | None = None):
+    """``param.add_(t1, alpha=s)`` / ``param.addcdiv_(t1, t2, value=s)`` for a 0-dim float64 host
+    scalar ``s``: ``param + s * t1 (/ t2)``. For bf16 / fp16 ``param`` as torch's CPU kernels
+    compute it: in float32, rounded once (``add``'s alpha is first rounded to the low precision,
+    ``addcdiv``'s value is not)."""
+    if param.dtype not in (torch.bfloat16, torch.float16):
+        return param + scalar * t1 if t2 is None else param + scalar * t1 / t2
+    if t2 is None:
+        return (param.float() + scalar.to(param.dtype).float() * t1.float()).to(param.dtype)
+    return (param.float() + scalar.float() * t1.float() / t2.float()).to(param.dtype)
 
 
 def sgd_update(cfg: GroupConfig, param, grad, state: dict, scalars: dict):
@@ -108,11 +163,12 @@ def sgd_update(cfg: GroupConfig, param, grad, state: dict, scalars: dict):
     if cfg.momentum != 0:
         buf = state["momentum_buffer"]
         # torch starts the buffer as a copy of the first gradient.
-        continued = buf.mul(cfg.momentum).add(grad, alpha=1 - cfg.dampening)
+        momentum = scalars["momentum"] if "momentum" in scalars else cfg.momentum
+        continued = buf.mul(momentum).add(grad, alpha=1 - cfg.dampening)
         buf = torch.where(scalars["first_step"] > 0, grad, continued)
         new_state["momentum_buffer"] = buf
         grad = grad.add(buf, alpha=cfg.momentum) if cfg.nesterov else buf
-    return param + scalars["neg_lr"] * grad, new_state
+    return _add_scaled(param, scalars["neg_lr"], grad), new_state
 
 
 def adam_update(cfg: GroupConfig, param, grad, state: dict, scalars: dict):
@@ -120,19 +176,22 @@ def adam_update(cfg: GroupConfig, param, grad, state: dict, scalars: dict):
     grad = -grad if cfg.maximize else grad
     if cfg.weight_decay != 0:
         if cfg.decoupled:
-            param = param * scalars["decay"]
+            param = _scaled(param, scalars["decay"])
         else:
             grad = grad.add(param, alpha=cfg.weight_decay)
-    exp_avg = state["exp_avg"].lerp(grad, 1 - cfg.beta1)
+    # A moving beta1: 1 - beta1 computed in float64 on the host, then in the parameters' dtype
+    # like lerp's Python-scalar weight (float32 / float64 only: GroupConfig.full_precision).
+    weight = scalars["one_minus_beta1"].to(grad.dtype) if "one_minus_beta1" in scalars else 1 - cfg.beta1
+    exp_avg = state["exp_avg"].lerp(grad, weight)
     exp_avg_sq = state["exp_avg_sq"].mul(cfg.beta2).addcmul(grad, grad, value=1 - cfg.beta2)
     new_state = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     second = exp_avg_sq
     if cfg.amsgrad:
         second = torch.maximum(state["max_exp_avg_sq"], exp_avg_sq)
         new_state["max_exp_avg_sq"] = second
-    denom = (second.sqrt() / scalars["bias_correction2_sqrt"]).add(cfg.eps)
+    denom = _scaled(second.sqrt(), scalars["bias_correction2_sqrt"], divide=True).add(cfg.eps)
     # addcdiv computes self + value * t1 / t2 in that order.
-    return param + scalars["neg_step_size"] * exp_avg / denom, new_state
+    return _add_scaled(param, scalars["neg_step_size"], exp_avg, denom), new_state
 
 
 def update(cfg: GroupConfig, param, grad, state: dict, scalars: dict):
@@ -238,14 +297,20 @@ class FunctionalOptimizer:
                 self.names.append(name)
                 self.param_of[name] = p
 
-    def check_unchanged(self) -> None:
-        """Raise if a constant hyper-parameter changed since capture (lr may change)."""
-        now = [_group_config(self.optimizer, g) for g in self.optimizer.param_groups]
-        if now != self.groups:
-            raise CaptureError(
-                "an optimizer hyper-parameter other than lr changed after the step was captured; "
-                "call parallelize again to capture the new configuration"
-            )
+    def constants_changed(self) -> str | None:
+        """What moved among the hyper-parameters the graph bakes in (``baked``) since capture, in
+        words, or None. The caller captures the step again when one did."""
+        if len(self.optimizer.param_groups) != len(self.groups):
+            return (f"the optimizer has {len(self.optimizer.param_groups)} parameter groups, it had "
+                    f"{len(self.groups)}")
+        for gi, (old, group) in enumerate(zip(self.groups, self.optimizer.param_groups)):
+            new = _group_config(self.optimizer, group)
+            # fp16's update computes its scalars in the graph from lr alone: everything else is baked
+            fixed, now = (tuple(dataclasses.asdict(c).items()) if self.device_step else baked(c) for c in (old, new))
+            if fixed != now:
+                moved = [f"{k} {a!r} -> {b!r}" for (k, a), (_, b) in zip(fixed, now) if a != b]
+                return f"optimizer group {gi}: {', '.join(moved)}"
+        return None
 
     def state_names(self, name: str) -> tuple[str, ...]:
         return state_names(self.groups[self.group_of[name]])
@@ -272,7 +337,7 @@ class FunctionalOptimizer:
             if self.device_step:
                 out[f"g{gi}.lr"] = float(group["lr"])
                 continue
-            for key, value in host_scalars(cfg, float(group["lr"]), step).items():
+            for key, value in host_scalars(cfg, group, step).items():
                 out[f"g{gi}.{key}"] = value
         return out
 
