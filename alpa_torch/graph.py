@@ -97,9 +97,25 @@ class OpGraph:
     def output_names(self, kind: str) -> list[str]:
         return [s.name for s in self.outputs if s.kind == kind]
 
+    def loss_norms(self, batch: Mapping[str, torch.Tensor], num_microbatches: int = 1) -> dict[str, torch.Tensor]:
+        """The inputs the step's mean losses divide by (``masked_mean.py``), from the batch leaves
+        ``batch`` (name -> tensor) of the whole batch: each count of the targets that are not ignored
+        (at least 1), divided by the number of microbatches it is split into. A graph captured on a
+        microbatch counts the whole batch one microbatch at a time (its views have those shapes)."""
+        out = {}
+        captured = {s.name: s.shape for s in self.inputs}
+        for name, (leaf, count) in self.meta.get("loss_norms", {}).items():
+            value = torch.as_tensor(batch[leaf])
+            parts = value.shape[0] // captured[leaf][0] if value.dim() and captured[leaf] else 1
+            total = max(sum(int(count(part)) for part in value.chunk(parts)), 1)
+            out[name] = torch.tensor(total / num_microbatches, dtype=torch.float32)
+        return out
+
     def run(self, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Execute on one device. ``values`` maps every input name to a tensor;
-        returns ``{kind/name: tensor}`` keyed like ``'loss'``, ``'param/l1.weight'``."""
+        """Execute on one device. ``values`` maps every input name to a tensor (the loss
+        normalisers, ``loss_norms``, are computed when missing); returns ``{kind/name:
+        tensor}`` keyed like ``'loss'``, ``'param/l1.weight'``."""
+        values = {**self.loss_norms(values), **values} if self.meta.get("loss_norms") else values
         missing = [s.name for s in self.inputs if s.name not in values]
         if missing:
             raise KeyError(f"missing graph inputs: {missing[:5]}")

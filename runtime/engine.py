@@ -16,7 +16,6 @@ import logging
 import pickle
 import re
 import time
-from typing import Any
 
 import numpy as np
 
@@ -24,6 +23,7 @@ from alpa_torch.errors import WorkerError
 
 from .group import WorkerGroup
 from .interpreter import serialize_graph, total_loss
+from .wire import from_wire, to_wire_dict
 
 log = logging.getLogger(__name__)
 
@@ -65,20 +65,18 @@ def heap_in_use_bytes() -> float | None:
     return float(info.uordblks + info.hblkhd)
 
 
-def _setup(state: dict, gm_bytes: bytes, sharding: dict, io: dict, ranks: list[int], mesh_shape) -> bool:
+def _setup(state: dict, gm_bytes: bytes, sharding: dict, io: dict, ranks: list[int], mesh_shape, seed: int) -> bool:
     import torch
+    from torch.distributed.device_mesh import DeviceMesh
 
     import alpa_torch.capture  # noqa: F401 - registers the alpa.grad operator the graph calls
 
     from .interpreter import StageRunner
 
-    torch.manual_seed(0)
-    from torch.distributed.device_mesh import DeviceMesh
-
     keep_freed_memory()
     records = pickle.loads(gm_bytes)
     mesh = DeviceMesh("cpu", torch.tensor(ranks).view(*mesh_shape))
-    state["runner"] = StageRunner(records, sharding["value_specs"], sharding["input_specs"], io, mesh)
+    state["runner"] = StageRunner(records, sharding["value_specs"], sharding["input_specs"], io, mesh, seed=seed)
     return True
 
 
@@ -105,7 +103,7 @@ def _save(state: dict, directory: str) -> dict | None:
 class Engine:
     """One planned stage spanning every worker of a ``WorkerGroup``."""
 
-    def __init__(self, group: WorkerGroup, graph, sharding, *, step_timeout_s: float = 600.0):
+    def __init__(self, group: WorkerGroup, graph, sharding, *, step_timeout_s: float = 600.0, seed: int = 0):
         self.group = group
         self.graph = graph
         self.sharding = sharding
@@ -118,7 +116,8 @@ class Engine:
         t0 = time.perf_counter()
         ranks = list(range(group.world_size))
         specs = {"value_specs": d["value_specs"], "input_specs": d["input_specs"]}
-        group.call_all(_setup, pickle.dumps(serialize_graph(graph.gm)), specs, io, ranks, list(sharding.mesh_shape))
+        group.call_all(_setup, pickle.dumps(serialize_graph(graph.gm)), specs, io, ranks, list(sharding.mesh_shape),
+                       seed)
         group.call_all(_mark_rank, per_rank_args=[(r,) for r in ranks])
         log.info("deployed %d-device stage in %.2f s", len(ranks), time.perf_counter() - t0)
 
@@ -126,6 +125,7 @@ class Engine:
         self.group.call_all(_load, values)
 
     def step(self, batch: dict[str, np.ndarray], scalars: dict[str, float]) -> float:
+        batch = with_loss_norms(self.graph, batch, 1)
         try:
             losses = self.group.call_all(_step, batch, scalars, timeout_s=self.step_timeout_s)
         except WorkerError as exc:
@@ -141,6 +141,15 @@ class Engine:
             return self.group.call_all(_save, directory)
         except WorkerError as exc:
             raise stage_failure(exc, [tuple(range(self.group.world_size))]) from exc
+
+
+def with_loss_norms(graph, batch: dict, num_microbatches: int) -> dict:
+    """``batch`` (wire values) with the graph's loss normalisers of the whole batch
+    (``OpGraph.loss_norms``) added, unless the caller sent them."""
+    if not graph.meta.get("loss_norms") or all(k in batch for k in graph.meta["loss_norms"]):
+        return batch
+    norms = graph.loss_norms({k: from_wire(v) for k, v in batch.items()}, num_microbatches)
+    return {**batch, **to_wire_dict(norms)}
 
 
 def _mark_rank(state: dict, rank: int) -> bool:
@@ -169,7 +178,3 @@ def stage_failure(exc: WorkerError, stage_ranks: list[tuple[int, ...]]) -> Worke
             parts.append(f"device {rank} of stage {stage} (stage devices {list(stage_ranks[stage])})")
     where = "; ".join(parts) or f"a device of stage(s) {list(range(len(stage_ranks)))}"
     return WorkerError(f"{where} failed: {text}")
-
-
-def to_numpy_dict(tensors: dict[str, Any]) -> dict[str, np.ndarray]:
-    return {k: v.detach().cpu().numpy() for k, v in tensors.items()}

@@ -67,6 +67,8 @@ from .grad_buckets import (
 )
 from .program import CALL, GET_ATTR, GETITEM, MARKER, OUTPUT, Program, Ref, compile_program
 from .replay import InputMeta, StepReplay, agree, check_local, compile_local, meta_of, run_local, to_local, wrap
+from .rng import RandomStream, is_random
+from .wire import Bits, from_wire
 
 log = logging.getLogger(__name__)
 GRAD_MARKER_NAME = "alpa.grad.default"
@@ -133,7 +135,7 @@ class StageRunner:
     """Holds one device's shards of the model state and runs the planned step."""
 
     def __init__(self, records: list[tuple], value_specs: dict[str, str], input_specs: dict[str, list[str]],
-                 io: dict, mesh: DeviceMesh, bucket_cap_bytes: int = BUCKET_CAP_BYTES):
+                 io: dict, mesh: DeviceMesh, bucket_cap_bytes: int = BUCKET_CAP_BYTES, seed: int = 0):
         self.mesh = mesh
         self.local = mesh.size() == 1
         """One device: plain tensors, no DTensor (every placement is trivially satisfied)."""
@@ -176,6 +178,11 @@ class StageRunner:
         self._foreign: set[str] = set()
         """State names holding memory given to ``load_state``, not yet replaced by a step's result."""
         self._donors: dict[str, Callable] = {}
+        self.rng = RandomStream(seed)
+        """Seeds each random operator (``rng.py``); pipelines set its microbatch."""
+        self._random = {name: self._shard_coords(name) for op, name, t, *_ in self.nodes
+                        if op == "call_function" and is_random(t)}
+        """Random operator -> this device's coordinates on the axes that shard its output."""
         self.program = self.compile(self.nodes, collect=True, donate_state=True)
         if self.reductions:
             log.info("%d of the step's gradients reduced in buckets", len(self.reductions))
@@ -194,9 +201,15 @@ class StageRunner:
             program.step(name).donate = donation
         return program
 
+    def _shard_coords(self, name: str) -> tuple[int, ...]:
+        if self.local:
+            return ()
+        coords = self.mesh.get_coordinate()
+        return tuple(c if p.is_shard() else 0 for c, p in zip(coords, self.value_specs.get(name, self.rep)))
+
     # ---------------------------------------------------------------- state
-    def _distribute(self, node: str, value: np.ndarray | torch.Tensor) -> DTensor | torch.Tensor:
-        t = torch.as_tensor(value)
+    def _distribute(self, node: str, value: np.ndarray | Bits | torch.Tensor) -> DTensor | torch.Tensor:
+        t = value if isinstance(value, torch.Tensor) else from_wire(value)
         if self.local:
             return t
         placements = self.value_specs.get(node, self.rep)
@@ -260,9 +273,9 @@ class StageRunner:
                 todo[name] = value
         return gather_replicated(self.mesh, todo, local=self.replaying) if todo else {}
 
-    def gather_state(self) -> dict[str, np.ndarray]:
+    def gather_state(self) -> dict[str, torch.Tensor]:
         """Full values of this runner's state (a collective among its mesh's devices)."""
-        return {name: (value.full_tensor() if isinstance(value, DTensor) else value).numpy()
+        return {name: value.full_tensor() if isinstance(value, DTensor) else value
                 for name, value in self.state.items()}
 
     # ---------------------------------------------------------------- step
@@ -276,10 +289,11 @@ class StageRunner:
         whole leaf too (``FULL_BATCH``)."""
         env[node] = self._distribute(node, value)
         if not self.local and any(not p.is_replicate() for p in self.value_specs.get(node, self.rep)):
-            env[(FULL_BATCH, node)] = torch.as_tensor(value)
+            env[(FULL_BATCH, node)] = from_wire(value)
 
     def step(self, batch: dict[str, np.ndarray], scalars: dict[str, float]) -> float | LossPart:
         """One training step; its loss (``LossPart`` where the plan leaves it partial: ``total_loss``)."""
+        self.rng.begin_step()
         env: dict[str, Any] = {}
         for kind, name, node in self.inputs:
             if kind == "batch":
@@ -410,6 +424,8 @@ class StageRunner:
             if st.before:
                 self._collect(st.before, env)
             if kind == CALL:
+                if st.name in self._random:
+                    self.rng.seed_op(st.name, self._random[st.name])
                 env[st.name] = call(st, env)
             elif kind == GETITEM:
                 env[st.name] = env[st.inputs[0]][st.target]

@@ -43,8 +43,10 @@ class PipelineRunner:
 
     def __init__(self, runner: StageRunner, stage: int, program: dict, crossings: list, meshes: list,
                  specs: list[dict], value_meta: dict, order: list[tuple[str, int]], loss_node: str,
-                 gather: list[bool] | None = None):
+                 gather: list[bool] | None = None, combine: str = "mean"):
         self.runner = runner
+        self.combine = combine
+        """How microbatches add up to the batch (``alpa_torch.coupling.loss_combine``): 'mean' or 'sum'."""
         self.stage = stage
         self.crossings = list(enumerate(crossings))
         self.meshes = meshes  # MeshPlacement of every stage
@@ -146,8 +148,9 @@ class PipelineRunner:
         self._grads: dict[str, Any] = {}
         self._partials: dict[str, torch.Tensor] = {}
         last_mb = [mb for kind, mb in self.order if kind == "B"][-1]
+        r.rng.begin_step()
         if r.buckets is not None:
-            r.buckets.begin(scale=n_mb)
+            r.buckets.begin(scale=n_mb if self.combine == "mean" else 1)
         works, losses, last = [], [], None
         for kind, mb in self.order:
             if kind == "F":
@@ -156,6 +159,7 @@ class PipelineRunner:
             else:
                 env, phase = envs.pop(mb), "backward"
             self._receive(env, mb, phase)
+            r.rng.microbatch = mb
             final = mb == last_mb
             r.run(self.programs[phase], env, None if phase == "forward" else
                   (lambda name, value, meta, final=final: self._grad(name, value, meta, final)))
@@ -168,7 +172,9 @@ class PipelineRunner:
                 last = env
             works = [w for w in works if not w[0].is_completed()]  # sent: their buffers can go
         env = self._base_env(scalars, None)
-        grads = {m: g / n_mb if n_mb > 1 else g for m, g in self._grads.items()}
+        r.rng.microbatch = -1  # the update
+        divide = n_mb > 1 and self.combine == "mean"
+        grads = {m: g / n_mb if divide else g for m, g in self._grads.items()}
         r.enter(grads)
         env.update(grads)
         self._grads = {}
@@ -179,7 +185,9 @@ class PipelineRunner:
         for work, _ in works:
             work.wait()
         r.end_step()
-        return float(np.mean(losses)) if losses else None
+        if not losses:
+            return None
+        return float(np.mean(losses) if self.combine == "mean" else np.sum(losses))
 
     def _grad(self, name: str, value, meta, final: bool) -> bool:
         """Sum gradient ``name`` over microbatches; a bucketed one goes to its bucket once final.

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from alpa_torch.errors import BatchSplitError, WorkerError
+from alpa_torch.batch import check_divisible, split_flags
+from alpa_torch.errors import WorkerError
 
-from .engine import keep_freed_memory, stage_failure
+from .engine import keep_freed_memory, stage_failure, with_loss_norms
 from .group import WorkerGroup
 from .interpreter import serialize_graph
 from .partition import partition
@@ -52,12 +53,13 @@ def _psetup(state: dict, records_bytes: bytes, setup: dict, stage: int) -> bool:
     records = pickle.loads(records_bytes)
     meshes = [DeviceMesh("cpu", torch.tensor(r).view(*s)) for r, s in zip(setup["ranks"], setup["shapes"])]
     spec = setup["shardings"][stage]
-    runner = StageRunner(records, spec["value_specs"], spec["input_specs"], setup["io"], meshes[stage])
+    runner = StageRunner(records, spec["value_specs"], spec["input_specs"], setup["io"], meshes[stage],
+                         seed=setup["seed"])
     state["pipe"] = PipelineRunner(
         runner, stage, setup["programs"][stage], setup["crossings"],
         [mesh_placement(r, s) for r, s in zip(setup["ranks"], setup["shapes"])],
         [s["value_specs"] for s in setup["shardings"]], setup["value_meta"], setup["orders"][stage],
-        setup["loss_node"], setup["gather"],
+        setup["loss_node"], setup["gather"], setup["combine"],
     )
     return True
 
@@ -95,7 +97,7 @@ class PipelineEngine:
 
     def __init__(self, group: WorkerGroup, graph, stages: list[StageDeployment], stage_of: dict[str, int],
                  num_microbatches: int, schedule: str = "1f1b", step_timeout_s: float = 600.0,
-                 cluster=None, dst_gather: bool | None = None):
+                 cluster=None, dst_gather: bool | None = None, seed: int = 0, combine: str = "mean"):
         self.group, self.graph, self.stages = group, graph, stages
         self.num_microbatches = num_microbatches
         self.step_timeout_s = step_timeout_s
@@ -120,6 +122,8 @@ class PipelineEngine:
             "io": {"inputs": [(s.kind, s.name, s.node) for s in graph.inputs],
                    "outputs": [(s.kind, s.name, s.node) for s in graph.outputs]},
             "loss_node": loss_node,
+            "seed": seed,
+            "combine": combine,
         }
         setup["gather"] = self._gather_flags(crossings, setup, cluster, dst_gather)
         records = pickle.dumps(serialize_graph(graph.gm))
@@ -157,17 +161,17 @@ class PipelineEngine:
         self.group.call_all(_pload, per_rank_args=per_rank)
 
     def split(self, batch: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
-        m = self.num_microbatches
-        for name, leaf in batch.items():
-            if leaf.ndim == 0 or leaf.shape[0] % m:
-                raise BatchSplitError(
-                    f"batch leaf {name} of shape {leaf.shape} does not split into {m} microbatches along dim 0; "
-                    f"use a batch size divisible by {m} or another num_microbatches"
-                )
-        return [{k: np.ascontiguousarray(np.split(v, m)[i]) for k, v in batch.items()} for i in range(m)]
+        """The microbatches: leaves with the batch dimension cut along dim 0, the others (0-dim, or
+        shared by every sample) whole in each (``alpa_torch.batch.split_flags``)."""
+        m, names = self.num_microbatches, list(batch)
+        shapes = [tuple(batch[k].shape) for k in names]
+        check_divisible(shapes, names, m)
+        cut = dict(zip(names, split_flags(shapes)))
+        return [{k: np.ascontiguousarray(np.split(v, m)[i]) if cut[k] else v for k, v in batch.items()}
+                for i in range(m)]
 
     def step(self, batch: dict[str, np.ndarray], scalars: dict[str, float]) -> float:
-        microbatches = self.split(batch)
+        microbatches = self.split(with_loss_norms(self.graph, batch, self.num_microbatches))
         try:
             results = self.group.call_all(_pstep, microbatches, scalars, timeout_s=self.step_timeout_s)
         except WorkerError as exc:
