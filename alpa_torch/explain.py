@@ -60,13 +60,14 @@ def plan_with_model(graph, cluster, *, num_microbatches=None, num_layers=None, n
     from stage_dp.search import plan as search
     from stage_dp.stage_costs import StageCostModel
 
-    from .api import couples_batch
+    from .api import microbatch_error
+    from .coupling import batch_coupling
     from .errors import PlanError
 
-    if couples_batch(graph):  # BatchNorm statistics: microbatches would change them (api.make_plan)
+    reason = batch_coupling(graph)
+    if reason is not None:  # microbatches would change the numbers (api.make_plan)
         if num_microbatches not in (None, 1):
-            raise PlanError(f"num_microbatches={num_microbatches} with BatchNorm in training mode would change "
-                            "its batch statistics; use num_microbatches=1 (or GroupNorm/LayerNorm)")
+            raise microbatch_error(num_microbatches, reason)
         num_microbatches = 1
     try:
         layers = assign_layers(graph, num_layers)
@@ -111,7 +112,8 @@ def alternatives(model, plan: ParallelPlan) -> list[dict]:
 
 
 def _microbatch_counts(graph, plan: ParallelPlan) -> list[int]:
-    """Every B the search could try (also when the plan's B was forced); 1 only with BatchNorm."""
+    """Every B the search could try (also when the plan's B was forced); 1 only when the step couples
+    its batch (BatchNorm, a pooled statistic used nonlinearly: ``coupling``)."""
     from stage_dp.search import microbatch_candidates
 
     from .api import couples_batch

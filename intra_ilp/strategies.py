@@ -177,6 +177,15 @@ def _single_dim_rows(node: fx.Node, info, mesh) -> list[list]:
 
 
 def _shardable(spec: ShardingSpec, shape, mesh_shape) -> bool:
+    """Whether ``spec`` lays out a tensor of ``shape``: it shards only dims the tensor has, and
+    no dim into more shards than it has elements (empty shards).
+
+    A rule's row is matched to the node's tensors by position; a ``Shard(d)`` beyond a
+    tensor's rank (on a 0-d loss, or a row read against another tensor) would reach
+    ``ShardingSpec.local_shape`` in the cost model and fail there with an IndexError.
+    """
+    if any(p.is_shard and not 0 <= p.dim < len(shape) for p in spec.placements):
+        return False
     return all(spec.shard_count(mesh_shape, d) <= max(shape[d], 1) for d in range(len(shape)))
 
 
@@ -185,6 +194,10 @@ def _from_rows(node: fx.Node, info, mesh, mesh_shape) -> list[Strategy]:
     metas = [v.meta["val"] for v in _tensor_arg_nodes(node)]
     out_vals = node.meta["val"] if isinstance(node.meta["val"], (list, tuple)) else [node.meta["val"]]
     shapes = [getattr(v, "shape", None) for v in out_vals] + [m.shape for m in metas]
+    if rows and (len(rows[0]) != len(shapes) or num_outputs != len(out_vals)):
+        log.debug("DTensor rule for %s lists %d tensors, the node has %d: not used", node.target,
+                  len(rows[0]), len(shapes))
+        return []
     result = []
     for combo in itertools.product(rows, repeat=len(mesh_shape)):
         specs = []

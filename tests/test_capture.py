@@ -222,6 +222,71 @@ def test_tied_hf_gpt2_trains_like_eager():
     assert len(graph.input_names("param")) == len(list(model.parameters()))
 
 
+# ---------------------------------------------------------------- grouped GEMM (mixture of experts)
+
+_HAS_GROUPED_MM = hasattr(F, "grouped_mm")
+
+
+class TinyMoE(torch.nn.Module):
+    """Top-2 of 4 experts per token through one grouped GEMM, routed as transformers'
+    ``grouped_mm`` experts do (integrations/moe.py): sort the (token, expert) pairs by expert,
+    offsets from a histogram, ``F.grouped_mm``, weight, undo the sort, sum the 2 experts."""
+
+    def __init__(self, hidden: int = 16, experts: int = 4, out: int = 8, classes: int = 4):
+        super().__init__()
+        self.router = torch.nn.Linear(hidden, experts, bias=False)
+        self.experts = torch.nn.Parameter(torch.randn(experts, out, hidden) * 0.2)  # [E, N, K] as HF stores it
+        self.head = torch.nn.Linear(out, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.router(x).softmax(-1).topk(2, dim=-1)  # [T, 2] each
+        ids, perm = torch.sort(chosen.reshape(-1))
+        counts = torch.histc(ids.float(), bins=self.experts.shape[0], min=0, max=self.experts.shape[0] - 1)
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        y = F.grouped_mm(x[perm // 2], self.experts.transpose(-2, -1), offs=offs)  # [2T, N]
+        y = y * weights.reshape(-1)[perm].unsqueeze(-1)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel())
+        return self.head(y[inverse].view(x.shape[0], 2, -1).sum(1))
+
+    def loss(self, batch):
+        x, labels = batch
+        return F.cross_entropy(self(x), labels)
+
+
+@pytest.mark.skipif(not _HAS_GROUPED_MM, reason="torch.nn.functional.grouped_mm needs torch >= 2.10")
+def test_grouped_mm_dense_equals_the_kernel():
+    """Every layout of ``aten._grouped_mm`` (float32, CPU kernel) against its dense decomposition."""
+    from alpa_torch.grouped_mm import grouped_mm_dense
+
+    gen = torch.Generator().manual_seed(0)
+    offs = torch.tensor([2, 5, 5, 12], dtype=torch.int32)  # group 2 is empty
+    cases = [
+        (torch.randn(12, 8, generator=gen), torch.randn(4, 8, 4, generator=gen), offs),  # rows grouped
+        (torch.randn(4, 12, generator=gen), torch.randn(12, 8, generator=gen), offs),  # contraction grouped
+        (torch.randn(4, 4, 8, generator=gen), torch.randn(8, 12, generator=gen), offs),  # columns grouped
+        (torch.randn(4, 4, 8, generator=gen), torch.randn(4, 8, 4, generator=gen), None),  # bmm
+    ]
+    for a, b, o in cases:
+        torch.testing.assert_close(grouped_mm_dense(a, b, o), torch._grouped_mm(a, b, offs=o), atol=1e-6, rtol=0)
+    bf16 = torch.randn(12, 8).bfloat16(), torch.randn(4, 8, 4).bfloat16()
+    assert grouped_mm_dense(*bf16, offs) is NotImplemented  # torch traces bfloat16 itself: the native op stays
+
+
+@pytest.mark.skipif(not _HAS_GROUPED_MM, reason="torch.nn.functional.grouped_mm needs torch >= 2.10")
+def test_grouped_mm_moe_trains_like_eager():
+    """float32 ``F.grouped_mm`` runs eagerly on CPU but its fake kernel takes bfloat16 only, so
+    capture stopped at the first expert (Mixtral's default experts); it is now decomposed into
+    dense matmuls (``alpa_torch.grouped_mm``), and the graph trains like eager."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = TinyMoE()
+        batches = [(torch.randn(16, 16), torch.randint(0, 4, (16,))) for _ in range(3)]
+    graph, _ = train_both(train_step, model, make_optimizer("adamw", model), batches)
+    targets = {str(n.target) for n in graph.gm.graph.nodes if n.op == "call_function"}
+    assert "aten._grouped_mm.default" not in targets and "aten.bmm.default" in targets
+
+
 # ---------------------------------------------------------------- graph facts
 
 _MATMULS = (aten.mm.default, aten.addmm.default, aten.bmm.default)

@@ -465,3 +465,32 @@ def test_no_strategy_splits_a_dim_into_empty_shards():
         assert strategies
         for strategy in strategies:
             assert strategy.inputs[0].shard_count(mesh_shape, 2) <= 2, (mesh_shape, strategy)
+
+
+def test_no_strategy_shards_a_dim_the_tensor_lacks():
+    """A DTensor rule's row is read against the node's tensors by position; a Shard(d) beyond a
+    tensor's rank (on a 0-d value such as a loss, or a row that lists other tensors than the node
+    has) is dropped instead of reaching ``ShardingSpec.local_shape`` in the stage ILP's costing,
+    which failed there with an IndexError inside a planner worker."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from intra_ilp import strategies as strat
+    from intra_ilp.spec import R, S, ShardingSpec
+
+    assert not strat._shardable(ShardingSpec((R, S(0))), (), (1, 2))  # a 0-d tensor has no dim 0
+    assert not strat._shardable(ShardingSpec((R, S(2))), (8, 16), (1, 2))
+    assert not strat._shardable(ShardingSpec((R, S(-1))), (8, 16), (1, 2))
+    assert strat._shardable(ShardingSpec((S(1), S(0))), (8, 16), (2, 2))
+
+    gm = make_fx(lambda x: x.sum())(torch.randn(8, 16))  # x [8, 16] -> 0-d
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    rows = [[Shard(0), Shard(0)], [Replicate(), Shard(1)]]  # [output, input]: Shard(0) of the 0-d output
+    rule = SimpleNamespace(func=lambda op, args, kwargs: [list(r) for r in rows])
+    found = strat._from_rows(node, rule, strat.fake_mesh((1, 2)), (1, 2))
+    assert found and not any(p.is_shard for strategy in found for p in strategy.outputs[0].placements)
+    shapes = [node.all_input_nodes[0].meta["val"].shape, node.meta["val"].shape]
+    for strategy in found:  # what the stage ILP's costing (stage._local_work) computes: no IndexError
+        for spec, shape in zip(strategy.inputs + strategy.outputs, shapes):
+            spec.local_shape(shape, (1, 2))
