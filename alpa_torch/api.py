@@ -40,48 +40,48 @@ import logging
 import math
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
+from runtime.wire import from_wire, to_wire_dict
+
+from .batch import BatchLayout, check_divisible, check_indices, index_rules, microbatch, split_flags
 from .capture import capture, check_precision
 from .cluster import Cluster
-from .errors import BatchSplitError, CheckpointError, PlanError, WorkerError
+from .coupling import batch_coupling, loss_combine
+from .errors import BatchSplitError, CaptureError, CheckpointError, PlanError, StepUsageError, WorkerError
 from .optim import FunctionalOptimizer, LossScaler
 from .plan_cache import PlanCache, cached_plan
 
 log = logging.getLogger(__name__)
 
 
-_BATCH_COUPLED = ("_native_batch_norm_legit_functional", "native_batch_norm")
-
-
 def couples_batch(graph) -> bool:
-    """True if an operator mixes samples of the batch in training (BatchNorm
-    statistics): microbatches would then change the numbers, so B must be 1."""
-    for node in graph.gm.graph.nodes:
-        if node.op == "call_function" and any(k in str(node.target) for k in _BATCH_COUPLED):
-            training = node.args[5] if len(node.args) > 5 else True
-            if training:
-                return True
-    return False
+    """True if the step mixes the samples of its batch (``coupling.batch_coupling``):
+    microbatches would then change the numbers, so B must be 1."""
+    return batch_coupling(graph) is not None
 
 
-def _microbatch(batch: Any, num_microbatches: int) -> Any:
-    """The first of ``num_microbatches`` equal slices of every tensor leaf (dim 0)."""
-    def first(t):
-        if not isinstance(t, torch.Tensor):
-            return t
-        if t.dim() == 0 or t.shape[0] % num_microbatches:
-            raise BatchSplitError(
-                f"a batch tensor of shape {tuple(t.shape)} does not split into {num_microbatches} microbatches "
-                f"along dim 0; use a batch size divisible by {num_microbatches} or set num_microbatches"
-            )
-        return t[: t.shape[0] // num_microbatches]
+def microbatch_error(num_microbatches: int, reason: str) -> PlanError:
+    """The error for a forced ``num_microbatches`` > 1 on a step that couples its batch."""
+    return PlanError(f"num_microbatches={num_microbatches} would change this step's numbers: {reason}; "
+                     "use num_microbatches=1 (with BatchNorm, or GroupNorm/LayerNorm)")
 
-    return pytree.tree_map(first, batch)
+
+def _first_microbatch(layout: BatchLayout, batch: Any, num_microbatches: int) -> Any:
+    """``batch`` as the graph takes it, each tensor with the batch dimension cut to its first
+    ``1 / num_microbatches`` (``alpa_torch.batch.split_flags``: the rest go whole)."""
+    leaves = pytree.tree_leaves(layout.graph_batch(batch))
+    index = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    tensors = [leaves[i] for i in index]
+    check_divisible([tuple(t.shape) for t in tensors], [layout.name(i) for i in index], num_microbatches)
+    for i, t in zip(index, microbatch(tensors, num_microbatches)):
+        leaves[i] = t
+    return pytree.tree_unflatten(leaves, layout.spec)
 
 
 class ParallelStep:
@@ -108,6 +108,19 @@ class ParallelStep:
 
         Checkpointing.parse(checkpointing)  # a bad value fails here, not after capture
         self.plan_cache = PlanCache.from_option(plan_cache)
+        self._layout: BatchLayout | None = None
+        """What each leaf of the batch is to the graph (``alpa_torch.batch``), from the capture."""
+        self._index_rules: dict = {}
+        """Batch input -> the index ranges the operators reading it accept (checked every call)."""
+        self._trains: tuple[weakref.ref, weakref.ref] | None = None
+        """The model and optimizer objects of the first call: the only ones this step trains."""
+        self._closed = False
+        """``shutdown()`` was called: the live state is gone."""
+        self._combine = "mean"
+        """How the microbatches' losses and gradients add up (``coupling.loss_combine``)."""
+        self._seed = 0
+        """The seed of the random operators on the workers (``runtime/rng.py``): the driver's
+        ``torch.initial_seed()`` at the first call."""
         self.max_restarts, self.checkpoint_every = max_restarts, checkpoint_every
         self.checkpoint_dir = checkpoint_dir
         self.restarts = 0
@@ -129,29 +142,35 @@ class ParallelStep:
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """``step(model, optimizer, batch)``: one training step on the cluster; returns the loss."""
         model, optimizer, batch = _step_arguments(getattr(self, "__name__", "step"), args, kwargs)
+        self._check_open()
         if self.engine is None:
             self._start(model, optimizer, batch)
-        self._functional.check_unchanged()
+        else:
+            self._check_same_objects(model, optimizer)
+            change = self._layout.change(batch) or self._functional.constants_changed()
+            if change:
+                self._recapture(model, optimizer, batch, change)
         leaves = self._batch_leaves(batch)
         loss = self._run_step(leaves)
+        optimizer._opt_called = True  # as optimizer.step() leaves it: LR schedulers check it
         if not math.isfinite(loss):
             warnings.warn(
                 f"step {self._step}: the loss is {loss}; check the learning rate and the data of this step "
                 "(the parameters may now hold NaN/Inf too)", RuntimeWarning, stacklevel=2)
         return torch.tensor(loss)
 
-    def make_plan(self, model, optimizer, batch):
-        """Capture and plan without running anything (``self.plan``, ``self.graph``)."""
+    def make_plan(self, model, optimizer, batch, **override):
+        """Capture and plan without running anything (``self.plan``, ``self.graph``); ``override``:
+        options that replace the step's own for this planning."""
         from stage_dp.search import plan as search
 
-        self.graph = capture(self.train_step, model, optimizer, batch, precision=self.precision)
-        opts = dict(self.options)
-        if couples_batch(self.graph):
+        self.graph = self._capture(model, optimizer, batch)
+        opts = {**self.options, **override}
+        reason = batch_coupling(self.graph)
+        if reason is not None:
             if opts["num_microbatches"] not in (None, 1):
-                raise PlanError(
-                    f"num_microbatches={opts['num_microbatches']} with BatchNorm in training mode would change "
-                    "its batch statistics; use num_microbatches=1 (or GroupNorm/LayerNorm)"
-                )
+                raise microbatch_error(opts["num_microbatches"], reason)
+            log.info("one microbatch: %s", reason)
             opts["num_microbatches"] = 1
         fp16_error = ("precision='fp16' runs on one stage without microbatches (the loss scale and the overflow "
                       "check are shared by every parameter, which the pipeline runtime cannot split yet); "
@@ -169,6 +188,24 @@ class ParallelStep:
         log.info("plan (%s):\n%s", self.plan_source, self.plan.table())
         return self.plan
 
+    def _capture(self, model, optimizer, batch):
+        """The step's graph, the batch's layout and the index rules: floats of the batch as data
+        (0-dim tensors); if the step cannot take them as tensors (it branches on one, or hands
+        one to an operator that wants a Python number), as constants of the capture instead."""
+        layout = BatchLayout.of(batch)
+        try:
+            graph = capture(self.train_step, model, optimizer, layout.graph_batch(batch), precision=self.precision)
+        except CaptureError as exc:
+            if not layout.scalars_as_data:
+                raise
+            log.info("the step does not take the batch's floats as tensors (%s); capturing them as constants: a "
+                     "change of one captures the step again", str(exc).splitlines()[0])
+            layout = BatchLayout.of(batch, scalars_as_data=False)
+            graph = capture(self.train_step, model, optimizer, batch, precision=self.precision)
+        self._layout = layout
+        self._index_rules = index_rules(graph.gm, {s.name: s.node for s in graph.inputs if s.kind == "batch"})
+        return graph
+
     def _load_plan(self, forced):
         from .plan import ParallelPlan
 
@@ -177,12 +214,16 @@ class ParallelStep:
         return plan
 
     def _start(self, model, optimizer, batch) -> None:
+        _check_materialized(model)
+        self._trains = (weakref.ref(model), weakref.ref(optimizer))
+        self._seed = torch.initial_seed()
         t0 = time.perf_counter()
         self.make_plan(model, optimizer, batch)
         self._functional = FunctionalOptimizer(optimizer, {id(p): n for n, p in model.named_parameters()},
                                                device_step=self.precision == "fp16")
         self._step = self._functional.step_count()
         self.run_graph = self._runtime_graph(model, optimizer, batch)
+        self._batch_leaves(batch)  # shapes and index ranges: wrong data fails here, before any worker starts
         if self._pending is not None:
             values = self._checkpoint_values(*self._pending)
             self._step, self._pending = self._pending[1]["step"], None
@@ -197,15 +238,14 @@ class ParallelStep:
 
     def _launch(self, values: dict[str, torch.Tensor]) -> None:
         """Start the workers, deploy the plan and load ``values`` (full tensors) onto them."""
-        from runtime.engine import to_numpy_dict
         from runtime.group import WorkerGroup
 
         self.group = WorkerGroup.start(self.cluster)
         try:
             self.engine = self._deploy()
-            self.engine.load_state(to_numpy_dict(values))
+            self.engine.load_state(to_wire_dict(values))
         except BaseException:
-            self.shutdown()
+            self._stop_workers()
             raise
 
     def _run_step(self, leaves: dict) -> float:
@@ -230,7 +270,7 @@ class ParallelStep:
         self.restarts += 1
         log.warning("step %d: %s; restart %d of %d from the checkpoint in %s", number,
                     str(exc).splitlines()[0], self.restarts, self.max_restarts, self.checkpoint_dir)
-        self.shutdown()  # the group already shut itself down; this drops the references
+        self._stop_workers()  # the group already shut itself down; this drops the references
         from runtime import checkpoint
 
         path, manifest = checkpoint.read_manifest(self.checkpoint_dir)
@@ -242,17 +282,79 @@ class ParallelStep:
         b = self.plan.num_microbatches
         if b == 1:
             return self.graph
-        graph = capture(self.train_step, model, optimizer, _microbatch(batch, b), precision=self.precision)
+        specs = [(i, s) for i, s in enumerate(self._batch_specs()) if s is not None]
+        flags = split_flags([s.shape for _, s in specs])
+        shared = [self._layout.name(i) for (i, s), cut in zip(specs, flags) if s.shape and not cut]
+        hint = (f" ({', '.join(shared)} go whole to every microbatch: no batch dimension)" if shared else
+                ": a tensor shared by every sample whose first dimension equals the batch size is cut too")
+        try:
+            graph = capture(self.train_step, model, optimizer, _first_microbatch(self._layout, batch, b),
+                            precision=self.precision)
+        except CaptureError as exc:
+            raise BatchSplitError(
+                f"the plan runs {b} microbatches, and capturing the step on one of them (each batch entry with the "
+                f"batch dimension cut along dim 0{hint}) failed: {exc}. Fix: num_microbatches=1, or give every "
+                "per-sample entry the batch size as its first dimension") from exc
         if set(graph.nodes) != set(self.graph.nodes):
             raise PlanError(
                 "the step's graph on a microbatch differs from the full-batch graph (shape-dependent "
                 "control flow?); use num_microbatches=1"
             )
+        self._combine = loss_combine(self.graph, graph, b)
+        if self._combine is None:
+            why = ("the step's loss is neither a mean nor a sum over the batch's samples (e.g. a product or ratio "
+                   "of batch statistics), so adding up microbatches would change it")
+            if self.forced_plan is not None or self.options["num_microbatches"] not in (None, 1):
+                raise PlanError(f"the plan runs {b} microbatches, but {why}. Fix: num_microbatches=1, or make the "
+                                "loss a mean (or sum) of per-sample terms")
+            log.warning("%s: planning again with one microbatch", why)
+            self.make_plan(model, optimizer, batch, num_microbatches=1)
+            self._combine = "mean"
+            return self.graph
         return graph
 
+    def _batch_specs(self) -> list:
+        """Per leaf of the batch, its graph input (``IOSpec``), or None for a constant."""
+        specs = {s.name: s for s in self.graph.inputs if s.kind == "batch"}
+        return [specs.get(f"batch.{i}") for i in range(len(self._layout.kinds))]
+
     def _deploy(self):
-        engine, self._recomputed = deploy_plan(self.group, self.plan, self.run_graph, self.cluster)
+        engine, self._recomputed = deploy_plan(self.group, self.plan, self.run_graph, self.cluster, self._seed,
+                                               self._combine)
         return engine
+
+    def _recapture(self, model, optimizer, batch, change: str) -> None:
+        """Capture and plan the step again for what changed, and run it on the same workers from the
+        live state (the trained state carries over; state the new step adds starts as on a first call)."""
+        log.warning("%s: capturing and planning the step again (the trained state carries over)", change)
+        state = self.state_dict()
+        live = {**state["model"], **state["optimizer"]}
+        self._functional = FunctionalOptimizer(optimizer, {id(p): n for n, p in model.named_parameters()},
+                                               device_step=self.precision == "fp16")
+        self.make_plan(model, optimizer, batch)
+        self.run_graph = self._runtime_graph(model, optimizer, batch)
+        fresh = self._initial_state(model)
+        values = {s.name: live.get(s.name, fresh.get(s.name)) for s in self.graph.inputs
+                  if s.kind in ("param", "buffer", "opt_state")}
+        self.engine = self._deploy()
+        self.engine.load_state(to_wire_dict(values))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StepUsageError(
+                "this parallel step was shut down (step.shutdown()): its workers and the state they trained are "
+                "gone. Fix: create a new step with parallelize(...); to keep trained state, call "
+                "step.sync(model, optimizer) or step.save(dir) before shutdown()")
+
+    def _check_same_objects(self, model, optimizer) -> None:
+        model_ref, optimizer_ref = self._trains
+        for what, obj, ref in (("model", model, model_ref), ("optimizer", optimizer, optimizer_ref)):
+            if obj is not ref():
+                raise StepUsageError(
+                    f"this parallel step trains the {what} of its first call (its live state is on the workers) "
+                    f"and was called with another {what} object ({type(obj).__name__}). Fix: call it with the same "
+                    f"{what}; for another model, create a new step with parallelize(...) (call "
+                    "step.sync(model, optimizer) first to keep what this one trained)")
 
     def _initial_state(self, model) -> dict[str, torch.Tensor]:
         params = dict(model.named_parameters())
@@ -266,23 +368,23 @@ class ParallelStep:
         return values
 
     def _batch_leaves(self, batch) -> dict:
-        leaves = pytree.tree_leaves(batch)
-        out = {}
+        """The batch's data leaves as the workers receive them, after checking their shapes and
+        the index ranges the operators reading them accept (``alpa_torch.batch``)."""
         expected = {s.name: s.shape for s in self.graph.inputs if s.kind == "batch"}  # full batch
-        for i, leaf in enumerate(leaves):
+        tensors, names = {}, {}
+        for i, leaf in self._layout.data_leaves(batch).items():
             name = f"batch.{i}"
             if name not in expected:
                 continue
             if tuple(leaf.shape) != expected[name]:
                 raise BatchSplitError(
-                    f"batch leaf {i} has shape {tuple(leaf.shape)} but the step was planned for "
+                    f"{self._layout.name(i)} has shape {tuple(leaf.shape)} but the step was planned for "
                     f"{expected[name]}; keep batch shapes fixed (drop or pad the last batch) or "
                     "create a new parallelize(...) step for the new shape"
                 )
-            out[name] = leaf.detach().cpu().numpy()
-        if len(out) != len(expected):
-            raise PlanError(f"the batch has {len(out)} tensors, the captured step had {len(expected)}")
-        return out
+            tensors[name], names[name] = leaf.detach(), self._layout.name(i)
+        check_indices(self._index_rules, tensors, names)
+        return to_wire_dict(tensors)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, directory: str) -> str:
@@ -311,9 +413,7 @@ class ParallelStep:
         if self.engine is None:
             self._pending = (path, manifest)
         else:
-            from runtime.engine import to_numpy_dict
-
-            self.engine.load_state(to_numpy_dict(self._checkpoint_values(path, manifest)))
+            self.engine.load_state(to_wire_dict(self._checkpoint_values(path, manifest)))
             self._step = manifest["step"]
         return manifest["step"]
 
@@ -360,10 +460,10 @@ class ParallelStep:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """Full model and optimizer state, gathered from the workers."""
+        self._check_open()
         if self.engine is None:
             raise PlanError("the step has not run yet: call it once before asking for its state")
-        # copy: arrays that came through Ray are read-only
-        full = {k: torch.from_numpy(v.copy()) for k, v in self.engine.gather_state().items()}
+        full = {k: from_wire(v, copy=True) for k, v in self.engine.gather_state().items()}  # Ray's are read-only
         model_keys = set(self.graph.input_names("param")) | set(self.graph.input_names("buffer"))
         return {
             "model": {k: v for k, v in full.items() if k in model_keys},
@@ -385,18 +485,24 @@ class ParallelStep:
             self._functional.write_back(states, step)
 
     def shutdown(self) -> None:
+        """Stop the workers. The step cannot be called again (its live state is gone):
+        ``sync`` or ``save`` first to keep what it trained."""
+        self._closed = self._closed or self.engine is not None
+        self._stop_workers()
+
+    def _stop_workers(self) -> None:
         if self.group is not None:
             self.group.shutdown()
             self.group = self.engine = None
 
     def __del__(self):
         try:
-            self.shutdown()
+            self._stop_workers()
         except Exception:  # noqa: BLE001 - interpreter teardown
             pass
 
 
-def deploy_plan(group, plan, graph, cluster):
+def deploy_plan(group, plan, graph, cluster, seed: int = 0, combine: str = "mean"):
     """Deploy ``plan`` on the workers of ``group``: ``(engine, copies)``.
 
     ``graph`` is the step on one microbatch (``ParallelStep._runtime_graph``). The
@@ -412,12 +518,13 @@ def deploy_plan(group, plan, graph, cluster):
 
     graph, copies = rematerialize(graph, plan.layer_of, plan.recompute_layers)
     if len(plan.stages) == 1 and plan.num_microbatches == 1:
-        return Engine(group, graph, extend_sharding(plan.stages[0].sharding, copies)), copies
+        return Engine(group, graph, extend_sharding(plan.stages[0].sharding, copies), seed=seed), copies
     ranges = [(s.layer_start, s.layer_end) for s in plan.stages]
     stage_of = stage_of_nodes(graph, extend_layer_of(plan.layer_of, copies), ranges)
     stages = [StageDeployment(s.device_ids, s.logical_mesh, extend_sharding(s.sharding, copies))
               for s in plan.stages]
-    engine = PipelineEngine(group, graph, stages, stage_of, plan.num_microbatches, plan.schedule, cluster=cluster)
+    engine = PipelineEngine(group, graph, stages, stage_of, plan.num_microbatches, plan.schedule, cluster=cluster,
+                            seed=seed, combine=combine)
     return engine, copies
 
 
@@ -453,6 +560,17 @@ def _step_arguments(name: str, args: tuple, kwargs: dict) -> tuple[Any, Any, Any
                         f"and a {type(optimizer).__name__} where a torch.nn.Module and a torch.optim.Optimizer "
                         "belong")
     return model, optimizer, bound.arguments["batch"]
+
+
+def _check_materialized(model: torch.nn.Module) -> None:
+    """A model whose weights are on the meta device has no values to train: say so before any worker starts."""
+    meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if meta:
+        raise PlanError(
+            f"{len(meta)} parameter(s)/buffer(s) of the model are on the meta device (e.g. {meta[0]}): they hold no "
+            "values to train. Fix: materialise the model first (model.to_empty(device='cpu'), then initialise it "
+            "or load its weights); a meta model can be planned without training: alpa-torch plan, or "
+            "ParallelStep.make_plan")
 
 
 def _check_reliability_options(max_restarts, checkpoint_dir, checkpoint_every) -> None:

@@ -55,10 +55,12 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
+from . import masked_mean
 from . import optim as fopt
 from .errors import CaptureError, DataDependentControlFlowError, LossError, PlanError, UnsupportedOperatorError
 from .graph import IOSpec, OpGraph
 from .graph_facts import build_nodes
+from .grouped_mm import grouped_mm_dense
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -89,7 +91,11 @@ def _batch_norm_as_legit(input, weight, bias, running_mean, running_var, trainin
     )
 
 
-_DECOMPOSITIONS = {aten.native_batch_norm.default: _batch_norm_as_legit}
+_DECOMPOSITIONS = {
+    aten.native_batch_norm.default: _batch_norm_as_legit,
+    # MoE experts (transformers' default grouped_mm): the fake kernel takes bfloat16 only
+    aten._grouped_mm.default: grouped_mm_dense,
+}
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 """``precision`` values: the autocast compute dtype (None: no autocast)."""
@@ -152,9 +158,11 @@ class _Amp:
 class _StepOptimizer:
     """What ``train_step`` receives as its optimizer during capture."""
 
-    def __init__(self, functional: fopt.FunctionalOptimizer, leaves, states, scalars, amp: _Amp | None = None):
+    def __init__(self, functional: fopt.FunctionalOptimizer, leaves, states, scalars, amp: _Amp | None = None,
+                 carried: _CarriedGrads | None = None):
         self._functional = functional
         self._amp = amp
+        self._carried = carried
         self._leaves = leaves
         self._states = states
         self._scalars = scalars
@@ -168,6 +176,8 @@ class _StepOptimizer:
     def step(self, closure=None):
         if closure is not None:
             raise CaptureError("optimizer.step(closure) is not supported; call loss.backward() then optimizer.step()")
+        if self._carried is not None:
+            self._carried.drop(self._leaves)
         amp = self._amp
         with amp.off() if amp is not None else contextlib.nullcontext():  # fp32 master weights
             self._step(amp if amp is not None and amp.scaling else None)
@@ -205,8 +215,50 @@ class _StepOptimizer:
         return getattr(self._functional.optimizer, item)
 
 
+class _CarriedGrads:
+    """Gradients an eager call would carry in from the last call, and whether the step adds to them.
+
+    In eager PyTorch ``.grad`` outlives a call: a step that runs ``loss.backward()`` before any
+    ``zero_grad`` adds its gradients to what the previous call left there. The parallel step
+    starts every call from no gradients, so that step cannot be reproduced. While tracing, each
+    parameter starts with a stand-in gradient; the first ``backward`` notes which stand-ins are
+    still there untouched (no ``zero_grad`` of either kind ran: set to None, or zeroed in
+    place) and drops them. If the step also ends with gradients left in ``.grad``, the next
+    eager call would add to them: ``check`` refuses that step by name."""
+
+    def __init__(self, leaves: dict[str, torch.Tensor]):
+        self.stand_ins = {}
+        for name, leaf in leaves.items():
+            leaf.grad = torch.zeros_like(leaf)
+            self.stand_ins[name] = (leaf.grad, leaf.grad._version)
+        self.added_to: list[str] | None = None
+
+    def drop(self, leaves: dict[str, torch.Tensor]) -> None:
+        """At the first backward (or ``optimizer.step()``): note and drop the untouched stand-ins."""
+        if self.added_to is not None:
+            return
+        self.added_to = []
+        for name, leaf in leaves.items():
+            stand_in, version = self.stand_ins[name]
+            if leaf.grad is stand_in:
+                if stand_in._version == version:
+                    self.added_to.append(name)
+                leaf.grad = None if stand_in._version == version else leaf.grad
+
+    def check(self, leaves: dict[str, torch.Tensor]) -> None:
+        carried = [n for n in self.added_to or () if leaves[n].grad is not None]
+        if carried:
+            raise CaptureError(
+                f"train_step runs loss.backward() before any optimizer.zero_grad() and leaves gradients in .grad "
+                f"(e.g. {carried[0]}): eager PyTorch would add each call's gradients to the last call's "
+                "(gradient accumulation across calls), which the parallel step does not carry from one call to "
+                "the next. Fix: call optimizer.zero_grad() at the start of the step (or after optimizer.step()); to "
+                "accumulate over several batches, pass them in one batch and call backward on each inside the step")
+
+
 @contextlib.contextmanager
-def _marking_backward(leaves: dict[str, torch.Tensor], order: list[str], amp: _Amp | None = None):
+def _marking_backward(leaves: dict[str, torch.Tensor], order: list[str], amp: _Amp | None = None,
+                      carried: _CarriedGrads | None = None):
     """Patch Tensor.backward so each gradient passes through ``alpa.grad`` afterwards
     (with ``amp``: backward without autocast, and fp16 loss scaling around it)."""
     original = torch.Tensor.backward
@@ -218,6 +270,8 @@ def _marking_backward(leaves: dict[str, torch.Tensor], order: list[str], amp: _A
         # handle_torch_function, which calls this patched method again: mark
         # only when the outermost call returns, or every gradient gets two markers.
         nonlocal depth
+        if depth == 0 and carried is not None:
+            carried.drop(leaves)
         context = contextlib.nullcontext()
         if depth == 0 and amp is not None:
             context = amp.off()
@@ -316,9 +370,11 @@ def _make_step_fn(train_step, model, functional, ins: _Inputs, batch_leaves, bat
         if PRECISIONS[precision] is not None:
             scaler = {n: by_name[n] for n in fopt.LossScaler.STATE} if functional.device_step else None
             amp = _Amp(precision, device_type, scaler)
-        shim = _StepOptimizer(functional, {n: leaves[n] for n in functional.names}, states, scalars, amp)
+        optimized = {n: leaves[n] for n in functional.names}
+        carried = _CarriedGrads(optimized)
+        shim = _StepOptimizer(functional, optimized, states, scalars, amp, carried)
         with _reparametrize_module(model, {**leaves, **buffers}, tie_weights=True):
-            with _marking_backward(shim._leaves, functional.names, amp):
+            with _marking_backward(optimized, functional.names, amp, carried):
                 with amp.autocast() if amp is not None else contextlib.nullcontext():
                     loss = train_step(model, shim, batch)
             new_buffers = [b for _, b in model.named_buffers()]
@@ -330,6 +386,7 @@ def _make_step_fn(train_step, model, functional, ins: _Inputs, batch_leaves, bat
             )
         if not shim.new_params and functional.names:
             raise CaptureError("no parameter received a gradient: call loss.backward() before optimizer.step()")
+        carried.check(optimized)
         new_params = [shim.new_params.get(n, leaves[n].detach()) for n in param_names]
         new_states = [shim.new_states[p][k] for p in functional.names for k in functional.state_names(p)]
         if functional.device_step:
@@ -449,14 +506,35 @@ def capture(
             raise CaptureError(f"tracing train_step failed at {_user_frame(exc)}: {type(exc).__name__}: {exc}") from exc
         raise translated from exc
     _cleanup(gm)
+    norms = _exact_masked_means(gm, ins, mode)
     graph = _assemble(gm, ins, functional, model)
+    graph.meta["loss_norms"] = norms
     graph.meta.update(
         capture_s=time.perf_counter() - t0, model=type(model).__name__,
         optimizer=type(optimizer).__name__, step=step, precision=precision,
-        batch_shapes=[tuple(v.shape) for (k, _), v in zip(ins.specs, ins.values) if k == "batch"],
+        batch_shapes=[tuple(v.shape) for (k, name), v in zip(ins.specs, ins.values)
+                      if k == "batch" and not name.startswith(masked_mean.NORM_PREFIX)],
     )
     log.info("captured %s in %.2f s", graph.summary(), graph.meta["capture_s"])
     return graph
+
+
+def _exact_masked_means(gm: fx.GraphModule, ins: _Inputs, mode: FakeTensorMode) -> dict:
+    """``masked_mean.rewrite`` on the traced graph: each count it divides by becomes a batch input
+    (appended after the batch's own leaves, as ``_assemble`` expects)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    batch_nodes = {name: ph.name for (kind, name), ph in zip(ins.specs, placeholders) if kind == "batch"}
+
+    def add_input(name: str, example: torch.Tensor) -> fx.Node:
+        last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+        with gm.graph.inserting_after(last):
+            ph = gm.graph.placeholder(name.replace(".", "_"))
+        with mode:
+            ph.meta["val"] = torch.empty((), dtype=example.dtype)
+        ins.add("batch", name, example)
+        return ph
+
+    return masked_mean.rewrite(gm, batch_nodes, add_input)
 
 
 def _assemble(gm: fx.GraphModule, ins: _Inputs, functional, model) -> OpGraph:

@@ -60,6 +60,15 @@ class StepUsageError(AlpaTorchError, RuntimeError):
     optimizer object than the one it trains, a call after ``shutdown()``)."""
 
 
+class PlannerError(AlpaTorchError, RuntimeError):
+    """The planner itself failed (a bug, not the user's input): the message names what it was
+    planning, ``traceback_text`` holds the traceback of the process it failed in."""
+
+    def __init__(self, message: str, traceback_text: str = ""):
+        super().__init__(message)
+        self.traceback_text = traceback_text
+
+
 class WorkerError(AlpaTorchError, RuntimeError):
     """A worker failed or died while running a step."""
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from . import plan as plan_format
+from .errors import PlanError
 from .plan import ParallelPlan, graph_fingerprint
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,13 @@ class PlanCache:
         """``parallelize``'s ``plan_cache``: False -> no cache, None/True -> default root, a path -> it."""
         if option is False:
             return None
-        return PlanCache(default_root() if option is None or option is True else option)
+        root = Path(default_root() if option is None or option is True else option)
+        blocked = next((p for p in (root, *root.parents) if p.exists() and not p.is_dir()), None)
+        if blocked is not None:
+            raise PlanError(
+                f"plan_cache={str(root)!r}: {str(blocked)!r} is a file, not a directory. Fix: pass a directory "
+                f"(it is created if missing; ${ENV_VAR} sets the default), or plan_cache=False for no cache")
+        return PlanCache(root)
 
     def path(self, key: str) -> Path:
         return self.root / f"{key}.json"
