@@ -521,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _configure_logging(args)
-    from .errors import AlpaTorchError, BatchSplitError, ClusterSpecError, PlanError
+    from .errors import AlpaTorchError, BatchSplitError, ClusterSpecError, PlanError, PlannerError
 
     try:
         return _COMMANDS[args.func](args)
@@ -533,6 +533,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"alpa-torch {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except PlannerError as exc:  # a failure of the planner itself: one line, the trace in a file
+        if args.debug:
+            raise
+        return _internal_error(args, exc)
     except (AlpaTorchError, OSError) as exc:
         if args.debug:
             raise
@@ -541,6 +545,24 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"alpa-torch {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001 - a bug: one line for the user, the whole trace in a file
+        if args.debug:
+            raise
+        return _internal_error(args, exc)
+
+
+def _internal_error(args, exc: BaseException) -> int:
+    """Print one line naming the failure and a log file holding the full traceback (exit 1)."""
+    import tempfile
+    import traceback
+
+    trace = "".join(traceback.format_exception(exc))
+    with tempfile.NamedTemporaryFile("w", prefix=f"alpa-torch-{args.command}-", suffix=".log", delete=False) as f:
+        f.write(trace)
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    print(f"alpa-torch {args.command}: internal error: {type(exc).__name__}: {first} (the full trace is in "
+          f"{f.name}; --debug prints it; please report it)", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

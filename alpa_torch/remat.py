@@ -23,6 +23,7 @@ recomputed layer drop to the ones read from outside it.
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch.fx as fx
 
@@ -52,6 +53,11 @@ def recompute_nodes(graph: OpGraph, layer_of: dict[str, int], layers) -> dict[in
     nodes = graph.nodes
     own = {n: layer_of[n] for n, f in nodes.items()
            if f.phase == "forward" and layer_of.get(n) in layers and not is_random(f.target)}
+    # An element of a recomputed operator's tuple result (a layer norm's saved mean and rstd) that
+    # only the backward reads is recomputed with it: a value of the forward, whatever its phase.
+    for node in graph.gm.graph.nodes:
+        if node.target is operator.getitem and node.args[0].name in own and node.name in nodes:
+            own[node.name] = own[node.args[0].name]
     need: set[str] = set()
     for f in nodes.values():
         if f.phase != "forward":
@@ -85,7 +91,11 @@ def rematerialize(graph: OpGraph, layer_of: dict[str, int], layers) -> tuple[OpG
     copies: dict[str, fx.Node] = {}
     origin: dict[str, str] = {}
     for node in list(g.nodes):
-        if node.op != "call_function" or graph.nodes[node.name].phase == "forward":
+        # A tuple element (``getitem``) is recomputed with its operator (``recompute_nodes``), never
+        # where copies start: a layer norm's saved mean and rstd sit right after it, inside the
+        # forward, and copies made there would save nothing.
+        if (node.op != "call_function" or graph.nodes[node.name].phase == "forward"
+                or node.target is operator.getitem):
             continue
         layer = layer_of.get(node.name)  # its own layer's values only: others' readers keep the originals
         wanted = [a for a in node.all_input_nodes if a.name in group_of and group_of[a.name] == layer]
@@ -101,6 +111,9 @@ def rematerialize(graph: OpGraph, layer_of: dict[str, int], layers) -> tuple[OpG
                     origin[new.name] = name
         for a in wanted:
             node.replace_input_with(a, copies[a.name])
+    for name in origin.values():  # an original tuple element whose readers all read its copy
+        if by_name[name].target is operator.getitem and not by_name[name].users:
+            g.erase_node(by_name[name])
     g.lint()
     gm.recompile()
     nodes, grad_of = build_nodes(gm, graph.inputs, graph.outputs, list(_opt_names(graph)), _marker(graph))

@@ -98,6 +98,12 @@ class StageSharding:
         return StageSharding(**d)
 
 
+def _source_line(node) -> str:
+    """', from File "...", line N' (the user's code that made ``node``), or ''."""
+    lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").splitlines() if ln.strip().startswith("File")]
+    return f", from {lines[-1]}" if lines else ""
+
+
 def _val(node: fx.Node):
     return node.meta.get("val")
 
@@ -243,7 +249,13 @@ class _Builder:
                    tuple((tuple(t.shape), t.dtype) if t is not None else None for t in tensors))
             hit = cache.get(key)
             if hit is None or hit[0] is not opts:
-                hit = cache[key] = (opts, *self._costs(opts, val, tensors, role, facts))
+                try:
+                    hit = cache[key] = (opts, *self._costs(opts, val, tensors, role, facts))
+                except Exception as exc:
+                    exc.add_note(f"while pricing the strategies of operator {name} ({node.target}, output "
+                                 f"{tuple(getattr(val, 'shape', ()))}) on mesh {tuple(self.mesh.mesh_shape)}"
+                                 f"{_source_line(node)}")
+                    raise
             _, comp, mem = hit
             out.append(ILPNode(name=name, strategy_names=self.names_of(name), compute_s=comp,
                                comm_s=np.zeros(len(opts)), memory_bytes=mem))

@@ -113,6 +113,10 @@ def choose_layers(recompute_s: np.ndarray, act: np.ndarray, kept: np.ndarray, pe
         raise PlanError(f"the stage needs {stage_memory(persistent, in_flight, act, kept, every):.4g} bytes per "
                         f"device even recomputing every layer; the budget is {budget:.4g}")
     saving = np.maximum(act - kept, 0.0)
+    # Costs below HiGHS's resolution (1e-9 of the largest) are zeros to it, not tiny numbers: a
+    # 1e-45 cost made it return a set costing 1 where one costing ~0 fit (hypothesis found it).
+    recompute_s = np.where(np.abs(recompute_s) < 1e-9 * float(np.abs(recompute_s).max(initial=0.0)), 0.0,
+                           recompute_s)
     m = pe.ConcreteModel(name="activation_checkpointing")
     m.r = pe.Var(range(n), domain=pe.Binary)
     m.z = pe.Var(bounds=(0.0, float(saving.max(initial=0.0))))

@@ -29,6 +29,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 
+from alpa_torch.errors import AlpaTorchError, PlannerError
+
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.5
@@ -62,22 +64,43 @@ def _child(fn, items, tasks, conn) -> None:
         try:
             conn.send((i, True, fn(items[i])))
         except BaseException as exc:  # noqa: BLE001 - sent to the parent, re-raised there
+            trace = "".join(traceback.format_exception(exc))
             try:
-                conn.send((i, False, exc))
+                conn.send((i, False, (exc, trace)))
             except Exception:  # noqa: BLE001 - an exception that does not pickle
-                conn.send((i, False, RuntimeError("".join(traceback.format_exception(exc)))))
+                conn.send((i, False, (RuntimeError(f"{type(exc).__name__}: {exc}"), trace)))
     conn.close()
 
 
-def fork_map(fn: Callable, items: Sequence, workers: int) -> list:
+def _raise(exc: BaseException, trace: str, what: str):
+    """Re-raise a job's exception in the parent. An alpa-torch error keeps its type (callers act on
+    it) with the worker's traceback as a note; anything else becomes a ``PlannerError`` naming the
+    job, with the worker's traceback in its message (a bare re-raise would show only this frame)."""
+    if isinstance(exc, AlpaTorchError):
+        exc.add_note(f"in a planner worker process, {what}:\n{trace}")
+        raise exc
+    raise PlannerError(f"the planner failed {what}: {type(exc).__name__}: {exc}\nplanner worker traceback:\n"
+                       f"{trace}", traceback_text=trace) from exc
+
+
+def _here(fn: Callable, item, describe: Callable[[object], str]):
+    """``fn(item)`` in this process; a failure is named as a worker's would be."""
+    try:
+        return fn(item)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the job named
+        _raise(exc, "".join(traceback.format_exception(exc)), describe(item))
+
+
+def fork_map(fn: Callable, items: Sequence, workers: int, describe: Callable[[object], str] = repr) -> list:
     """``[fn(x) for x in items]``, on up to ``workers`` forked processes when that is safe.
 
     Children take item indices from one queue and send (index, ok, result or
-    exception) back on their own pipe; a child's pipe closing tells that it exited.
+    (exception, traceback text)) back on their own pipe; a child's pipe closing tells
+    that it exited. A job's failure names it with ``describe(item)`` (``_raise``).
     """
     workers = min(workers, len(items))
     if workers <= 1 or not can_fork():
-        return [fn(x) for x in items]
+        return [_here(fn, x, describe) for x in items]
     ctx = multiprocessing.get_context("fork")
     tasks = ctx.SimpleQueue()
     readers = {}
@@ -105,7 +128,7 @@ def fork_map(fn: Callable, items: Sequence, workers: int) -> list:
                         raise RuntimeError(f"a planner worker process died (exit code {p.exitcode})") from None
                     continue
                 if not ok:
-                    raise value
+                    _raise(*value, describe(items[i]))
                 out[i] = value
     finally:
         for p in procs:

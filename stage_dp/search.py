@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import logging
@@ -261,9 +262,82 @@ def _plan(graph, cluster, *, num_microbatches, num_layers, num_stages, submesh, 
     sub_idx = None if submesh is None else model.submeshes.index(tuple(submesh))
     say(f"{layers.num_layers} layers ({model.sigs.num_distinct} distinct), {len(model.configs)} meshes, "
         f"B in {candidates}")
-    lean_all = False
+    def simulated_peak(rule_budget: float) -> float:
+        """The simulated peak of the plan the memory rule picks under ``rule_budget``."""
+        res, tables, _ = search(rule_budget)
+        options = {"microbatch_candidates": candidates, "checkpointing": ckpt.mode}
+        return build_plan(graph, model, tables, res.stages, schedule, rule_budget, options).peak_memory_bytes
+
+    search = functools.partial(_fitting_search, model, candidates, schedule, scale, num_stages, sub_idx, pipeline,
+                               sharding, ckpt, say, simulate=simulated_peak)
+    def planned(rule_budget: float) -> ParallelPlan:
+        """The plan the memory rule picks under ``rule_budget``, its peak simulated (raises
+        ``InfeasibleMemoryError`` if the rule admits none)."""
+        res, tables, lean_all = search(rule_budget)
+        options = {"num_stages": num_stages, "submesh": list(submesh) if submesh else None, "pipeline": pipeline,
+                   "sharding": sharding, "logical_shapes": model.logical_shapes, "layering": layers.method,
+                   "microbatch_candidates": candidates, "lean_all": lean_all, "num_ilps": model.num_ilps,
+                   "distinct_layers": model.sigs.num_distinct, "ilp_s": round(model.ilp_s, 3),
+                   "dp_tmax_evaluated": res.num_tmax_evaluated, "checkpointing": ckpt.mode,
+                   "plan_s": round(time.perf_counter() - t0, 3)}
+        if rule_budget < budget:
+            options["memory_rule_budget_bytes"] = rule_budget
+        out = build_plan(graph, model, tables, res.stages, schedule, rule_budget, options)
+        return dataclasses.replace(out, memory_budget_bytes=budget)
+
+    out = _fitting(planned, budget)
+    say(f"planned in {time.perf_counter() - t0:.1f} s: {out.summary()}")
+    return out
+
+
+def _fitting(planned: Callable[[float], ParallelPlan], budget: float) -> ParallelPlan:
+    """The first plan whose simulated peak fits ``budget``, from ``planned(rule_budget)``.
+
+    The stage DP decides feasibility by its fast memory rule; a plan it admits can simulate
+    above the budget (``memory_sim``). Then plan again with the rule's budget cut by the
+    overshoot, and where a cut leaves the rule nothing, bisect between that cut and the last
+    budget that gave a plan. ``InfeasibleMemoryError`` (with the least simulated peak seen) if
+    nothing fits after ``FIT_ATTEMPTS`` cuts and ``FIT_BISECTIONS`` bisections."""
+    rule, refused = budget, None  # refused: the last rule budget that admitted nothing
+    best = planned(rule)  # the rule admits nothing even at the budget: its own error
+    peaks = [best.peak_memory_bytes]
+    for _ in range(FIT_ATTEMPTS + FIT_BISECTIONS):
+        if best.peak_memory_bytes <= budget:
+            return best
+        logger.info("the stage DP's memory rule admitted a plan (rule budget %.4g) whose simulation peaks at "
+                    "%.4g of %.4g bytes: planning again with a tighter rule", rule, best.peak_memory_bytes, budget)
+        admitted = rule
+        rule = ((admitted + refused) / 2 if refused is not None
+                else rule * budget / best.peak_memory_bytes * (1 - FIT_MARGIN))
+        try:
+            best = planned(rule)
+            peaks.append(best.peak_memory_bytes)
+        except InfeasibleMemoryError:
+            refused, rule = rule, admitted  # keep the last plan; bisect next
+    need = min(peaks)
+    raise InfeasibleMemoryError(
+        f"No plan fits in {budget / _GiB:.3f} GiB per device: every plan the stage DP's memory rule admitted, "
+        f"down to a rule budget of {rule / _GiB:.3f} GiB, simulates above it (the least: {need / _GiB:.3f} GiB "
+        "per device, stage_dp/memory_sim.py). Remedies: more devices or devices with more memory, more "
+        "microbatches, checkpointing='full', or a smaller model or batch", required_bytes=need)
+
+
+FIT_ATTEMPTS = 5
+"""Plannings with the rule's budget cut by the overshoot (``_fitting``)."""
+FIT_BISECTIONS = 8
+"""Plannings bisecting between a rule budget that admits nothing and one whose plan is too big."""
+FIT_MARGIN = 0.005
+"""Each cut takes this fraction more than the overshoot."""
+
+
+def _fitting_search(model, candidates, schedule, scale, num_stages, sub_idx, pipeline, sharding, ckpt, say,
+                    budget: float, simulate=None):
+    """``(dp result, tables, lean_all)`` of the best plan whose memory rule fits ``budget``; raises
+    ``InfeasibleMemoryError`` if none does, even with least-memory ILP variants on every mesh
+    (``simulate(rule_budget)``: the simulated peak of the plan under a rule budget, for the error)."""
     columns = with_recompute(candidate_columns(model, model.configs, budget, scale, lean_all=False), ckpt)
     best = _search(model, columns, candidates, budget, schedule, scale, num_stages, sub_idx, pipeline)
+    lean_all = False
     if best is None and sharding:
         lean_all = True
         say("no plan fits; adding least-memory ILP variants for every mesh")
@@ -271,23 +345,8 @@ def _plan(graph, cluster, *, num_microbatches, num_layers, num_stages, submesh, 
         best = _search(model, columns, candidates, budget, schedule, scale, num_stages, sub_idx, pipeline)
     if best is None:
         _raise_infeasible(model, columns, candidates, budget, schedule, scale, num_stages, sub_idx, pipeline,
-                          ckpt)
-    res, tables = best
-    options = {"num_stages": num_stages, "submesh": list(submesh) if submesh else None, "pipeline": pipeline,
-               "sharding": sharding, "logical_shapes": model.logical_shapes, "layering": layers.method,
-               "microbatch_candidates": candidates, "lean_all": lean_all, "num_ilps": model.num_ilps,
-               "distinct_layers": model.sigs.num_distinct, "ilp_s": round(model.ilp_s, 3),
-               "dp_tmax_evaluated": res.num_tmax_evaluated, "checkpointing": ckpt.mode,
-               "plan_s": round(time.perf_counter() - t0, 3)}
-    out = build_plan(graph, model, tables, res.stages, schedule, budget, options)
-    if out.peak_memory_bytes > budget:
-        logger.warning(
-            "the plan fits %.3f GiB per device by the stage DP's memory rule, but the simulation of its programs "
-            "peaks at %.3f GiB (stage_dp/memory_sim.py); if the devices run out of memory, pass "
-            "memory_budget_bytes=%.4g (or checkpointing='full')", budget / _GiB, out.peak_memory_bytes / _GiB,
-            budget * budget / out.peak_memory_bytes)
-    say(f"planned in {time.perf_counter() - t0:.1f} s: {out.summary()}")
-    return out
+                          ckpt, simulate)
+    return (*best, lean_all)
 
 
 def _check_options(cluster, schedule, pipeline, num_stages, submesh) -> int | None:
@@ -372,10 +431,12 @@ def _search(model, columns, candidates, budget, schedule, scale, num_stages, sub
 
 
 def _raise_infeasible(model, columns, candidates, budget, schedule, scale, num_stages, sub_idx, pipeline,
-                      ckpt: Checkpointing):
+                      ckpt: Checkpointing, simulate=None):
     """InfeasibleMemoryError with the least per-device memory any candidate plan needs
-    (bisection on the budget, at the largest B: the smallest activations), or
-    PlanError if no plan exists even with unlimited memory."""
+    (bisection on the stage DP's memory rule, at the largest B: the smallest activations;
+    then, with ``simulate``, the simulated peak of the plan the rule picks there, where that is
+    more: a budget of that much gets a plan), or PlanError if no plan exists even with
+    unlimited memory."""
     b = max(candidates)
 
     def feasible(m):
@@ -402,6 +463,8 @@ def _raise_infeasible(model, columns, candidates, budget, schedule, scale, num_s
     while hi - lo > 1e-3 * hi:
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
+    if simulate is not None:
+        hi = max(hi, simulate(hi))
     cl = model.cluster
     recompute = "" if ckpt.twins else "activation checkpointing (checkpointing='auto'), "
     raise InfeasibleMemoryError(

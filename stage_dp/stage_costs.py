@@ -286,7 +286,12 @@ class StageCostModel:
                 self._memos.pop(key[2], None)
             return out
 
-        for results in fork_map(job, todo, self.workers):
+        def describe(group) -> str:
+            mesh = group[0][0][2]
+            layers = sorted({layer for _, (layer, _, _) in group})
+            return f"solving the sharding ILPs of layer(s) {layers} on the {tuple(mesh.mesh_shape)} mesh"
+
+        for results in fork_map(job, todo, self.workers, describe):
             for key, cost, seconds in results:
                 self._solutions[key] = cost
                 self.num_ilps += 1

@@ -57,7 +57,10 @@ def test_rematerialized_graph_is_bitwise_the_same_step(name):
     graph = capture(train_step, model, opt, batch)
     layers = assign_layers(graph, num_layers=3)
     new, origin = rematerialize(graph, layers.layer_of, range(layers.num_layers))
-    assert origin and all(graph.nodes[o].phase == "forward" for o in origin.values())
+    # the originals: forward operators, and elements of their tuple results the backward reads
+    nodes = {n.name: n for n in graph.gm.graph.nodes}
+    assert origin and all(graph.nodes[o].phase == "forward" or nodes[o].args[0].name in origin.values()
+                          for o in origin.values())
     assert all(new.nodes[c].phase == "backward" for c in origin)
     # no backward operator reads a recomputed forward value of its own layer: it reads the copy
     copied = set(origin.values())
@@ -108,10 +111,11 @@ def test_choose_layers_equals_brute_force(layers, persistent, in_flight, squeeze
     kept = act * np.array([k for _, _, k in layers]) * 0.5
     full = stage_memory(persistent, in_flight, act, kept, ())
     budget = persistent + squeeze * (full - persistent)
+    fits = budget * (1 + 1e-9)  # choose_layers's tolerance
     best = min((float(f[list(r)].sum()), r) for n in range(len(layers) + 1)
                for r in itertools.combinations(range(len(layers)), n)
-               if stage_memory(persistent, in_flight, act, kept, r) <= budget)[0] \
-        if stage_memory(persistent, in_flight, act, kept, range(len(layers))) <= budget else None
+               if stage_memory(persistent, in_flight, act, kept, r) <= fits)[0] \
+        if stage_memory(persistent, in_flight, act, kept, range(len(layers))) <= fits else None
     if best is None:
         with pytest.raises(PlanError, match="even recomputing every layer"):
             choose_layers(f, act, kept, persistent, in_flight, budget)

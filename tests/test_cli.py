@@ -308,3 +308,24 @@ def test_plan_progress_counts_ilps_and_renders_only_when_enabled():
         tbar.update(0, 2.5, 3.0)
         tbar.update(1, 2.4, 0.5)
     assert "16.0 samples/s" in train_stream.getvalue() and "loss 2.40000" in train_stream.getvalue()
+
+
+def test_a_planner_failure_names_the_job_and_keeps_the_workers_trace(run_main, monkeypatch, tmp_path):
+    """A bug inside a forked planner process: one line naming what was being planned and a log file
+    with the worker's traceback (not a bare re-raise from the pool)."""
+    import re
+
+    from stage_dp.stage_costs import StageCostModel
+
+    def broken(self, rep, mesh, *args):
+        raise IndexError(f"boom in layer {rep}")
+
+    monkeypatch.setattr(StageCostModel, "_solve", broken)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main("plan", "gpt", "--local", "1x4", "--quiet")
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 1 and len(lines) == 1 and not out, err
+    assert "internal error: PlannerError" in lines[0] and "sharding ILPs of layer(s)" in lines[0], lines[0]
+    log = Path(re.search(r"the full trace is in (\S+);", lines[0])[1])
+    trace = log.read_text()
+    assert "planner worker traceback" in trace and "in broken" in trace and "boom in layer" in trace
