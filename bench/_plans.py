@@ -226,7 +226,7 @@ def family_force(graph, family: str, mesh_shape) -> dict[str, str]:
     force = {}
     for s in graph.inputs:
         param = s.name if s.kind == "param" else owner(s.name) if s.kind == "opt_state" else None
-        if s.kind == "batch":
+        if s.kind == "batch" and s.shape:
             force[s.name] = (_spec(mesh_shape, (None, None)) if family == "tp" else
                              _spec(mesh_shape, (0, None)) if family == "dp_tp" else _all_axes(mesh_shape, 0))
         elif s.kind == "buffer":

@@ -213,7 +213,7 @@ def pure_dp_force(graph, batch_spec: str, *, replicated_update: bool = False) ->
     """
     force = {}
     for s in graph.inputs:
-        if s.kind == "batch":
+        if s.kind == "batch" and s.shape:
             force[s.name] = batch_spec
         elif s.kind in ("param", "buffer", "opt_state"):
             force[s.name] = "RR"

@@ -154,6 +154,7 @@ def test_simulated_peak_matches_the_runtimes_live_heap():
                          {k: [str(s) for s in v] for k, v in sharding.input_specs.items()}, io, _OneDevice())
     runner.load_state({k: v.detach().clone().numpy() for k, v in values.items()})
     feed = {"batch.0": batch[0].numpy(), "batch.1": batch[1].numpy()}
+    feed.update({k: v.numpy() for k, v in graph.loss_norms(feed).items()})  # the mean loss's count
     runner.step(feed, functional.host_scalars(1))  # the state now lives in the runtime's own tensors
     peak = [0]
 

@@ -47,7 +47,7 @@ def _plan(name, stages, microbatches, cheap, opt="adamw", force_dp=False):
         mesh = cheap_comm(shape) if cheap else MeshCost.from_cluster(cluster, submesh, tuple(shape))
         force = None
         if force_dp:  # the batch split along the stage's devices, state replicated
-            force = {s.name: ("RS(0)" if s.kind == "batch" else "RR")
+            force = {s.name: ("RS(0)" if s.kind == "batch" and s.shape else "RR")
                      for s in graph.inputs if s.kind in ("batch", "param", "opt_state")}
         deployments.append(StageDeployment(tuple(ranks), tuple(shape), solve_stage(graph, mesh, names=names,
                                                                                     force=force)))
@@ -56,9 +56,9 @@ def _plan(name, stages, microbatches, cheap, opt="adamw", force_dp=False):
 
 def run_pipeline(name, hosts, devices, stages, microbatches, schedule, cheap=False, opt="adamw", dst_gather=None,
                  force_dp=False):
-    from runtime.engine import to_numpy_dict
     from runtime.group import WorkerGroup
     from runtime.pipeline_engine import PipelineEngine
+    from runtime.wire import to_wire_dict
 
     eager, _ = ZOO[name]()
     eager_opt = make_optimizer(opt, eager)
@@ -70,7 +70,7 @@ def run_pipeline(name, hosts, devices, stages, microbatches, schedule, cheap=Fal
             values[f"{n}.{key}"] = v
     with WorkerGroup.start(Cluster.local(hosts, devices)) as group:
         engine = PipelineEngine(group, graph, deployments, stage_of, microbatches, schedule, dst_gather=dst_gather)
-        engine.load_state(to_numpy_dict(values))
+        engine.load_state(to_wire_dict(values))
         for i in range(3):
             batch = make_batch(name, BATCH, seed=i)
             expected = float(train_step(eager, eager_opt, batch).detach())
