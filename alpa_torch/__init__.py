@@ -3,36 +3,77 @@
 Public API::
 
     from alpa_torch import Cluster, parallelize
-    step = parallelize(train_step, cluster=Cluster.local(1, 4))
+    step = parallelize(train_step, Cluster.local(1, 4))
     loss = step(model, optimizer, batch)
 
-Reading order: ``cluster`` (devices and links), ``capture`` (the step as one
-graph), ``intra_ilp`` (sharding per operator), ``stage_dp`` (pipeline
-stages), ``runtime`` (Ray workers), ``api`` (``parallelize``).
+The names below load lazily (PEP 562): importing ``alpa_torch.core`` (what a worker
+process needs) does not import the planner or Ray. Reading order, bottom-up:
+``docs/architecture.md``.
 """
 
-from .api import ParallelStep, load_checkpoint, load_into, parallelize
-from .capture import capture
-from .cluster import DEVICE_SPECS, LINK_SPECS, Cluster, DeviceSpec, LinkSpec
-from .errors import (
-    AlpaTorchError,
-    BatchSplitError,
-    CaptureError,
-    CheckpointError,
-    ClusterSpecError,
-    DataDependentControlFlowError,
-    InfeasibleMemoryError,
-    LossError,
-    PlanError,
-    UnsupportedOperatorError,
-    WorkerError,
-)
-from .graph import OpGraph
+from __future__ import annotations
 
-__all__ = [
-    "AlpaTorchError", "BatchSplitError", "CaptureError", "CheckpointError", "Cluster", "ClusterSpecError",
-    "DEVICE_SPECS", "DataDependentControlFlowError", "DeviceSpec", "InfeasibleMemoryError",
-    "LINK_SPECS", "LinkSpec", "LossError", "OpGraph", "ParallelStep", "PlanError",
-    "UnsupportedOperatorError", "WorkerError", "capture", "load_checkpoint", "load_into", "parallelize",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+# ``capture`` is a function and a submodule: bound now, or importing the submodule (as anything
+# that captures does) would leave the module where the function belongs.
+from alpa_torch.capture import capture  # noqa: E402, F401
+
+_EXPORTS = {
+    "parallelize": "alpa_torch.api", "ParallelStep": "alpa_torch.api", "load_checkpoint": "alpa_torch.api",
+    "load_into": "alpa_torch.api", "capture": "alpa_torch.capture",
+    "Cluster": "alpa_torch.core.cluster", "DeviceSpec": "alpa_torch.core.cluster",
+    "LinkSpec": "alpa_torch.core.cluster", "DEVICE_SPECS": "alpa_torch.core.cluster",
+    "LINK_SPECS": "alpa_torch.core.cluster", "OpGraph": "alpa_torch.core.graph",
+    "ParallelPlan": "alpa_torch.core.plan", "PlanOptions": "alpa_torch.core.options",
+    "cluster_from_ray": "runtime.discovery", "profile_cluster": "runtime.profile",
+    **{name: "alpa_torch.core.errors" for name in (
+        "AlpaTorchError", "BatchSplitError", "CaptureError", "CheckpointError", "ClusterSpecError",
+        "DataDependentControlFlowError", "IndexRangeError", "InfeasibleMemoryError", "LossError",
+        "MissingExtraError", "PlanError", "PlannerError", "StepUsageError", "UnsupportedOperatorError",
+        "WorkerError")},
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'alpa_torch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs; nothing runs
+    from alpa_torch.api import ParallelStep, load_checkpoint, load_into, parallelize  # noqa: F401
+    from alpa_torch.core.cluster import DEVICE_SPECS, LINK_SPECS, Cluster, DeviceSpec, LinkSpec  # noqa: F401
+    from alpa_torch.core.errors import (  # noqa: F401
+        AlpaTorchError,
+        BatchSplitError,
+        CaptureError,
+        CheckpointError,
+        ClusterSpecError,
+        DataDependentControlFlowError,
+        IndexRangeError,
+        InfeasibleMemoryError,
+        LossError,
+        MissingExtraError,
+        PlanError,
+        PlannerError,
+        StepUsageError,
+        UnsupportedOperatorError,
+        WorkerError,
+    )
+    from alpa_torch.core.graph import OpGraph  # noqa: F401
+    from alpa_torch.core.options import PlanOptions  # noqa: F401
+    from alpa_torch.core.plan import ParallelPlan  # noqa: F401
+    from runtime.discovery import cluster_from_ray  # noqa: F401
+    from runtime.profile import profile_cluster  # noqa: F401

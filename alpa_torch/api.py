@@ -34,6 +34,7 @@ options give the same plan, so the second ``make_plan`` loads it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -47,29 +48,29 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from alpa_torch.core.cluster import Cluster
+from alpa_torch.core.errors import (
+    BatchSplitError,
+    CaptureError,
+    CheckpointError,
+    PlanError,
+    StepUsageError,
+    WorkerError,
+)
+from alpa_torch.core.graph import OpGraph
+from alpa_torch.core.microbatches import check_divisible, microbatch, split_flags
+from alpa_torch.core.options import PlanOptions
+from alpa_torch.core.plan import ParallelPlan
 from runtime.wire import from_wire, to_wire_dict
+from stage_dp.coupling import loss_combine
+from stage_dp.planner import check_plan
 
-from .batch import BatchLayout, check_divisible, check_indices, index_rules, microbatch, split_flags
+from .batch import BatchLayout, check_indices, index_rules
 from .capture import capture, check_precision
-from .cluster import Cluster
-from .coupling import batch_coupling, loss_combine
-from .errors import BatchSplitError, CaptureError, CheckpointError, PlanError, StepUsageError, WorkerError
 from .optim import FunctionalOptimizer, LossScaler
 from .plan_cache import PlanCache, cached_plan
 
 log = logging.getLogger(__name__)
-
-
-def couples_batch(graph) -> bool:
-    """True if the step mixes the samples of its batch (``coupling.batch_coupling``):
-    microbatches would then change the numbers, so B must be 1."""
-    return batch_coupling(graph) is not None
-
-
-def microbatch_error(num_microbatches: int, reason: str) -> PlanError:
-    """The error for a forced ``num_microbatches`` > 1 on a step that couples its batch."""
-    return PlanError(f"num_microbatches={num_microbatches} would change this step's numbers: {reason}; "
-                     "use num_microbatches=1 (with BatchNorm, or GroupNorm/LayerNorm)")
 
 
 def _first_microbatch(layout: BatchLayout, batch: Any, num_microbatches: int) -> Any:
@@ -88,25 +89,25 @@ class ParallelStep:
     """A training step bound to a cluster; call it like the original step."""
 
     def __init__(self, train_step: Callable, cluster: Cluster | None = None, *, plan=None,
-                 num_microbatches: int | None = None, num_stages: int | None = None, num_layers: int | None = None,
-                 pipeline: bool = True, sharding: bool = True, memory_budget_bytes: float | None = None,
-                 schedule: str = "1f1b", progress: Callable[[str], None] | None = None,
-                 precision: str = "fp32",
-                 plan_cache: bool | str | None = None, max_restarts: int = 0, checkpoint_dir: str | None = None,
-                 checkpoint_every: int = 1, checkpointing="auto"):
-        """See ``parallelize``."""
+                 options: PlanOptions | None = None, progress: Callable[[str], None] | None = None,
+                 precision: str = "fp32", plan_cache: bool | str | None = None, max_restarts: int = 0,
+                 checkpoint_dir: str | None = None, checkpoint_every: int = 1, **option_fields: Any):
+        """See ``parallelize``; ``option_fields``: ``PlanOptions``'s fields (or ``options``)."""
         _check_reliability_options(max_restarts, checkpoint_dir, checkpoint_every)
         functools.update_wrapper(self, train_step)  # the decorated step keeps its name and docstring
         self.train_step = train_step
         self.cluster = cluster or Cluster.local(1, 2)
         self.forced_plan = plan
         self.precision = check_precision(precision)
-        self.options = dict(num_microbatches=num_microbatches, num_stages=num_stages, num_layers=num_layers,
-                            pipeline=pipeline, sharding=sharding, memory_budget_bytes=memory_budget_bytes,
-                            schedule=schedule, progress=progress, checkpointing=checkpointing)
-        from stage_dp.checkpointing import Checkpointing
-
-        Checkpointing.parse(checkpointing)  # a bad value fails here, not after capture
+        if options is not None and option_fields:
+            raise PlanError(f"pass options=PlanOptions(...) or its fields, not both ({sorted(option_fields)})")
+        try:
+            self.options = options or PlanOptions(**option_fields)
+        except TypeError as exc:  # an unknown keyword: name the options there are
+            raise TypeError(f"parallelize: {exc}. Its options are PlanOptions's fields "
+                            f"({', '.join(f.name for f in dataclasses.fields(PlanOptions))}), plan, progress, "
+                            "precision, plan_cache, max_restarts, checkpoint_dir, checkpoint_every") from None
+        self.progress = progress
         self.plan_cache = PlanCache.from_option(plan_cache)
         self._layout: BatchLayout | None = None
         """What each leaf of the batch is to the graph (``alpa_torch.batch``), from the capture."""
@@ -159,32 +160,18 @@ class ParallelStep:
                 "(the parameters may now hold NaN/Inf too)", RuntimeWarning, stacklevel=2)
         return torch.tensor(loss)
 
-    def make_plan(self, model, optimizer, batch, **override):
+    def make_plan(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
+                  **override: Any) -> ParallelPlan:
         """Capture and plan without running anything (``self.plan``, ``self.graph``); ``override``:
-        options that replace the step's own for this planning."""
-        from stage_dp.search import plan as search
-
+        ``PlanOptions`` fields that replace the step's own for this planning."""
         self.graph = self._capture(model, optimizer, batch)
-        opts = {**self.options, **override}
-        reason = batch_coupling(self.graph)
-        if reason is not None:
-            if opts["num_microbatches"] not in (None, 1):
-                raise microbatch_error(opts["num_microbatches"], reason)
-            log.info("one microbatch: %s", reason)
-            opts["num_microbatches"] = 1
-        fp16_error = ("precision='fp16' runs on one stage without microbatches (the loss scale and the overflow "
-                      "check are shared by every parameter, which the pipeline runtime cannot split yet); "
-                      "use num_microbatches=1 and one stage, or precision='bf16'")
-        if self.precision == "fp16":
-            if opts["num_microbatches"] not in (None, 1) or opts["num_stages"] not in (None, 1):
-                raise PlanError(fp16_error)
-            opts["pipeline"], opts["num_microbatches"] = False, 1
+        options = self.options.replace(**override)
         if self.forced_plan is not None:
             self.plan, self.plan_source = self._load_plan(self.forced_plan), "forced"
         else:
-            self.plan, self.plan_source = cached_plan(self.plan_cache, self.graph, self.cluster, opts, search)
-        if self.precision == "fp16" and (len(self.plan.stages) > 1 or self.plan.num_microbatches > 1):
-            raise PlanError(fp16_error)
+            self.plan, self.plan_source = cached_plan(self.plan_cache, self.graph, self.cluster, options,
+                                                      self.progress)
+        check_plan(self.graph, self.plan)
         log.info("plan (%s):\n%s", self.plan_source, self.plan.table())
         return self.plan
 
@@ -207,7 +194,7 @@ class ParallelStep:
         return graph
 
     def _load_plan(self, forced):
-        from .plan import ParallelPlan
+        from alpa_torch.core.plan import ParallelPlan
 
         plan = ParallelPlan.from_json(forced) if not isinstance(forced, ParallelPlan) else forced
         plan.validate(self.graph, self.cluster)
@@ -304,7 +291,7 @@ class ParallelStep:
         if self._combine is None:
             why = ("the step's loss is neither a mean nor a sum over the batch's samples (e.g. a product or ratio "
                    "of batch statistics), so adding up microbatches would change it")
-            if self.forced_plan is not None or self.options["num_microbatches"] not in (None, 1):
+            if self.forced_plan is not None or self.options.num_microbatches not in (None, 1):
                 raise PlanError(f"the plan runs {b} microbatches, but {why}. Fix: num_microbatches=1, or make the "
                                 "loss a mean (or sum) of per-sample terms")
             log.warning("%s: planning again with one microbatch", why)
@@ -502,29 +489,25 @@ class ParallelStep:
             pass
 
 
-def deploy_plan(group, plan, graph, cluster, seed: int = 0, combine: str = "mean"):
+def deploy_plan(group, plan: ParallelPlan, graph: OpGraph, cluster: Cluster, seed: int = 0,
+                combine: str = "mean") -> tuple[Any, dict[str, str]]:
     """Deploy ``plan`` on the workers of ``group``: ``(engine, copies)``.
 
     ``graph`` is the step on one microbatch (``ParallelStep._runtime_graph``). The
     layers the plan recomputes are rewritten first (``remat.rematerialize``); the
     copies take their original's sharding, layer and stage. ``copies``: copy node ->
-    original node (empty without activation checkpointing). One stage without
-    microbatches runs on ``Engine``, anything else on ``PipelineEngine``."""
-    from runtime.engine import Engine
-    from runtime.partition import stage_of_nodes
-    from runtime.pipeline_engine import PipelineEngine, StageDeployment
-
-    from .remat import extend_layer_of, extend_sharding, rematerialize
+    original node (empty without activation checkpointing)."""
+    from alpa_torch.core.partition import stage_of_nodes
+    from alpa_torch.core.remat import extend_layer_of, extend_sharding, rematerialize
+    from runtime.engine import Engine, StageDeployment
 
     graph, copies = rematerialize(graph, plan.layer_of, plan.recompute_layers)
-    if len(plan.stages) == 1 and plan.num_microbatches == 1:
-        return Engine(group, graph, extend_sharding(plan.stages[0].sharding, copies), seed=seed), copies
     ranges = [(s.layer_start, s.layer_end) for s in plan.stages]
     stage_of = stage_of_nodes(graph, extend_layer_of(plan.layer_of, copies), ranges)
     stages = [StageDeployment(s.device_ids, s.logical_mesh, extend_sharding(s.sharding, copies))
               for s in plan.stages]
-    engine = PipelineEngine(group, graph, stages, stage_of, plan.num_microbatches, plan.schedule, cluster=cluster,
-                            seed=seed, combine=combine)
+    engine = Engine(group, graph, stages, stage_of, plan.num_microbatches, plan.schedule, cluster=cluster,
+                    seed=seed, combine=combine)
     return engine, copies
 
 
@@ -583,7 +566,8 @@ def _check_reliability_options(max_restarts, checkpoint_dir, checkpoint_every) -
                               "checkpoint written there. Fix: pass checkpoint_dir (shared storage on real hosts).")
 
 
-def parallelize(train_step: Callable | Cluster | None = None, cluster: Cluster | None = None, **options):
+def parallelize(train_step: Callable | Cluster | None = None, cluster: Cluster | None = None,
+                **options: Any) -> ParallelStep | Callable[[Callable], ParallelStep]:
     """Return ``train_step`` running on ``cluster`` with an automatically found plan.
 
     Every form works::
@@ -629,7 +613,7 @@ def parallelize(train_step: Callable | Cluster | None = None, cluster: Cluster |
     if cluster is not None and not isinstance(cluster, Cluster):
         raise TypeError(f"parallelize's cluster is a {type(cluster).__name__}, not an alpa_torch.Cluster; "
                         "describe it with Cluster.local(hosts, devices_per_host), Cluster.simulated(...) or "
-                        "Cluster.from_ray()")
+                        "cluster_from_ray()")
     if train_step is None:
         return lambda fn: parallelize(fn, cluster, **options)
     if not callable(train_step):

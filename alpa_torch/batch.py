@@ -10,9 +10,8 @@ Owns three things about the ``batch`` argument of ``train_step``:
   ``bool``, a string, ``None``, a float the step cannot take as a tensor) is a constant
   the graph was captured with. ``BatchLayout.change`` names what differs between two
   calls (structure, a constant's value, a tensor's dtype): the caller captures again.
-- **How it splits into microbatches** (``split_flags``): every tensor leaf whose dim 0 is
-  the batch size is cut along dim 0; 0-dim tensors and leaves without the batch dimension
-  (a mask shared by every sample) go whole to every microbatch.
+- How it splits into microbatches is ``alpa_torch.core.microbatches`` (the runtime cuts
+  batches by the same rule).
 - **Range checks of index tensors** (``index_rules`` / ``check_indices``): an integer
   leaf read (through views) by an embedding, a cross-entropy / NLL loss, a gather or an
   index_select must hold valid indices; the driver checks each batch before any worker
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from .errors import BatchSplitError, IndexRangeError
+from alpa_torch.core.errors import BatchSplitError, IndexRangeError
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -145,47 +144,6 @@ def _same(a: Any, b: Any) -> bool:
         return type(a) is type(b) and bool(a == b)
     except Exception:  # noqa: BLE001 - an == that raises or gives an array: not provably the same
         return False
-
-
-# ---------------------------------------------------------------- microbatches
-
-
-def batch_size(shapes: list[tuple[int, ...]]) -> int | None:
-    """The batch size: the most common dim 0 among tensor leaves of rank >= 1 (ties: the
-    first leaf's), or None if every leaf is 0-dim."""
-    firsts = [s[0] for s in shapes if len(s) >= 1]
-    if not firsts:
-        return None
-    return max(dict.fromkeys(firsts), key=firsts.count)
-
-
-def split_flags(shapes: list[tuple[int, ...]]) -> list[bool]:
-    """Per tensor leaf: cut along dim 0 into microbatches (True), or given whole to every
-    microbatch (0-dim, or dim 0 is not the batch size: a tensor shared by every sample)."""
-    b = batch_size(shapes)
-    return [len(s) >= 1 and s[0] == b for s in shapes]
-
-
-def check_divisible(shapes: list[tuple[int, ...]], names: list[str], num_microbatches: int) -> None:
-    """``BatchSplitError`` naming the first split leaf whose dim 0 does not divide into
-    ``num_microbatches``."""
-    for shape, name, split in zip(shapes, names, split_flags(shapes)):
-        if split and shape[0] % num_microbatches:
-            raise BatchSplitError(
-                f"{name} of shape {tuple(shape)} does not split into {num_microbatches} microbatches along dim 0 "
-                f"(the batch size); use a batch size divisible by {num_microbatches} or set num_microbatches")
-
-
-def microbatch(tensors: list[torch.Tensor], num_microbatches: int, index: int = 0) -> list[torch.Tensor]:
-    """Microbatch ``index`` of ``tensors`` (``split_flags`` decides which are cut)."""
-    flags = split_flags([tuple(t.shape) for t in tensors])
-    out = []
-    for t, split in zip(tensors, flags):
-        if split:
-            size = t.shape[0] // num_microbatches
-            t = t[index * size:(index + 1) * size]
-        out.append(t)
-    return out
 
 
 # ---------------------------------------------------------------- index range checks

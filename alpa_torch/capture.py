@@ -55,29 +55,25 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
+from alpa_torch.core.errors import (
+    CaptureError,
+    DataDependentControlFlowError,
+    LossError,
+    PlanError,
+    UnsupportedOperatorError,
+)
+from alpa_torch.core.grad_op import GRAD_MARKER, grad_marker
+from alpa_torch.core.graph import IOSpec, OpGraph
+from alpa_torch.core.graph_facts import build_nodes
+
 from . import masked_mean
 from . import optim as fopt
-from .errors import CaptureError, DataDependentControlFlowError, LossError, PlanError, UnsupportedOperatorError
-from .graph import IOSpec, OpGraph
-from .graph_facts import build_nodes
 from .grouped_mm import grouped_mm_dense
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
 
-@torch.library.custom_op("alpa::grad", mutates_args=())
-def grad_marker(grad: torch.Tensor, index: int) -> torch.Tensor:
-    """Identity marking the gradient of parameter number ``index``."""
-    return grad.clone()
-
-
-@grad_marker.register_fake
-def _(grad, index):
-    return torch.empty_like(grad)
-
-
-GRAD_MARKER = torch.ops.alpa.grad.default
 
 
 def _batch_norm_as_legit(input, weight, bias, running_mean, running_var, training, momentum, eps):
@@ -423,7 +419,7 @@ def _trace(step_fn, fake_values, mode):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     # The math SDPA backend decomposes into shardable matmul/softmax ops
-    # (the CPU flash kernel has no sharding strategy: FINDINGS.md).
+    # (the CPU flash kernel has no sharding strategy: docs/design.md).
     with mode, sdpa_kernel(SDPBackend.MATH):
         gm = make_fx(step_fn, decomposition_table=_DECOMPOSITIONS)(*fake_values)
         gm = make_fx(torch.func.functionalize(gm, remove="mutations"))(*fake_values)

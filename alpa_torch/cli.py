@@ -60,7 +60,8 @@ def _existing_file(text: str) -> str:
 
 def cluster_from_args(args, default_local=(1, 2)):
     """``--cluster`` (simulated) / ``--cluster-json`` / ``--address`` (Ray) / ``--local`` (the default)."""
-    from .cluster import _DEFAULT_LINKS, Cluster
+    from alpa_torch.core.cluster import _DEFAULT_LINKS, Cluster
+    from runtime.discovery import cluster_from_ray
 
     simulated = getattr(args, "cluster", None)
     if simulated is None and any(getattr(args, k, None) for k in ("device", "intra", "inter")):
@@ -73,9 +74,9 @@ def cluster_from_args(args, default_local=(1, 2)):
         path = args.cluster_json
         return Cluster.from_yaml(path) if path.endswith((".yaml", ".yml")) else Cluster.from_json(path)
     if getattr(args, "address", None):
-        return Cluster.from_ray(args.address)
+        return cluster_from_ray(args.address)
     if getattr(args, "local", None) is None and os.environ.get("RAY_ADDRESS") and getattr(args, "use_ray", False):
-        return Cluster.from_ray()
+        return cluster_from_ray()
     return Cluster.local(*(args.local or default_local))
 
 
@@ -95,7 +96,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _cluster_options(p: argparse.ArgumentParser, *, simulated: bool, ray: bool) -> None:
-    from .cluster import DEVICE_SPECS, LINK_SPECS
+    from alpa_torch.core.cluster import DEVICE_SPECS, LINK_SPECS
 
     g = p.add_argument_group("cluster (one of; default --local 1x2)")
     x = g.add_mutually_exclusive_group()
@@ -171,11 +172,14 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def planner_kwargs(args) -> dict:
-    return dict(num_microbatches=args.microbatches, num_stages=args.stages, num_layers=args.layers,
-                pipeline=not args.no_pipeline, sharding=not args.no_sharding, schedule=args.schedule,
-                memory_budget_bytes=args.memory_gib * 2.0**30 if args.memory_gib else None,
-                checkpointing=args.checkpointing)
+def plan_options(args):
+    """The planner flags as ``PlanOptions``."""
+    from alpa_torch.core.options import PlanOptions
+
+    return PlanOptions(num_microbatches=args.microbatches, num_stages=args.stages, num_layers=args.layers,
+                       pipeline=not args.no_pipeline, sharding=not args.no_sharding, schedule=args.schedule,
+                       memory_budget_bytes=args.memory_gib * 2.0**30 if args.memory_gib else None,
+                       checkpointing=args.checkpointing)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -280,6 +284,8 @@ DP with forced stage counts, every microbatch count and no memory limit: cheap,
 no new ILPs), which `alpa-torch explain` reads. --png draws the cluster
 coloured by stage and the predicted pipeline timeline; --trace writes that
 timeline as a Chrome/Perfetto trace (open it in ui.perfetto.dev)."""
+    from stage_dp.planner import make_plan_with_model
+
     from . import explain
     from .capture import capture
     from .progress import PlanProgress
@@ -291,7 +297,7 @@ timeline as a Chrome/Perfetto trace (open it in ui.perfetto.dev)."""
         bar.phase(f"capturing the step of {work.name}")
         graph = capture(work.train_step, work.model, work.optimizer, work.batch, precision=args.precision)
         bar.phase(f"clustering {len(graph.nodes)} operators into layers")
-        plan, model = explain.plan_with_model(graph, cluster, progress=bar, **planner_kwargs(args))
+        plan, model = make_plan_with_model(graph, cluster, plan_options(args), progress=bar)
         if not args.no_alternatives:
             bar.phase("runner-up plans (stage DP with forced options)")
             plan = explain.with_alternatives(plan, explain.alternatives(model, plan))
@@ -303,7 +309,7 @@ timeline as a Chrome/Perfetto trace (open it in ui.perfetto.dev)."""
 def _check_png(args) -> None:
     """--png needs matplotlib: say so before planning, not after."""
     if getattr(args, "png", None):
-        from .errors import require_extra
+        from alpa_torch.core.errors import require_extra
 
         require_extra("matplotlib", "plot", "--png")
 
@@ -331,8 +337,9 @@ Plans written by `alpa-torch plan --out` carry their runner-ups. For a plan
 saved another way (ParallelPlan.to_json after parallelize), give the MODEL it
 was made for (with the same --batch/--dtype/--optimizer/--model-arg) and the
 runner-ups are computed again (this re-solves the ILPs: as long as planning)."""
+    from alpa_torch.core.plan import ParallelPlan
+
     from . import explain
-    from .plan import ParallelPlan
 
     _check_png(args)
     plan = ParallelPlan.from_json(args.plan_file)
@@ -344,10 +351,13 @@ runner-ups are computed again (this re-solves the ILPs: as long as planning)."""
 
 
 def _replan_alternatives(args, plan):
+    from alpa_torch.core.cluster import Cluster
+    from alpa_torch.core.options import PlanOptions
+    from alpa_torch.core.plan import graph_fingerprint
+    from stage_dp.planner import make_plan_with_model
+
     from . import explain
     from .capture import capture
-    from .cluster import Cluster
-    from .plan import graph_fingerprint
     from .progress import PlanProgress
 
     work = _workload(args)
@@ -357,11 +367,11 @@ def _replan_alternatives(args, plan):
                          f"{args.plan_file} was made for (fingerprint {plan.graph_fingerprint})")
     o = plan.options
     forced_b = plan.num_microbatches if len(o.get("microbatch_candidates", [])) == 1 else None
+    options = PlanOptions(num_microbatches=forced_b, num_layers=plan.num_layers, num_stages=o.get("num_stages"),
+                          pipeline=o.get("pipeline", True), sharding=o.get("sharding", True),
+                          memory_budget_bytes=plan.memory_budget_bytes, schedule=plan.schedule)
     with PlanProgress(enabled=False if args.quiet else None) as bar:
-        _, model = explain.plan_with_model(
-            graph, Cluster.from_dict(plan.cluster), num_microbatches=forced_b, num_layers=plan.num_layers,
-            num_stages=o.get("num_stages"), pipeline=o.get("pipeline", True), sharding=o.get("sharding", True),
-            memory_budget_bytes=plan.memory_budget_bytes, schedule=plan.schedule, progress=bar)
+        _, model = make_plan_with_model(graph, Cluster.from_dict(plan.cluster), options, progress=bar)
     if dict(model.layers.layer_of) != plan.layer_of:
         log.warning("re-planning cut the layers differently from the saved plan: runner-ups are approximate")
     return explain.with_alternatives(plan, explain.alternatives(model, plan))
@@ -389,8 +399,8 @@ than --tolerance. --plan runs a saved plan instead of searching."""
     batch_of = work.batch_fn or (lambda i: work.batch)
     size = _batch_size(work.batch)
     plan_bar = PlanProgress(enabled=False if args.quiet else None)
-    step = parallelize(work.train_step, cluster=cluster, plan=args.plan_file, progress=plan_bar,
-                       precision=args.precision, **planner_kwargs(args))
+    step = parallelize(work.train_step, cluster, plan=args.plan_file, progress=plan_bar,
+                       precision=args.precision, options=plan_options(args))
     losses, times = [], []
     lines = not args.quiet and not interactive()
     try:
@@ -448,7 +458,9 @@ Plan with it: `alpa-torch plan MODEL --cluster-json CLUSTER.json`."""
     if args.sizes:
         kwargs["sizes_bytes"] = _sizes(args.sizes)
     _note(args, f"profiling {cluster.describe()}")
-    profiled = cluster.profile(**kwargs)
+    from runtime.profile import profile_cluster
+
+    profiled = profile_cluster(cluster, **kwargs)
     if args.out.endswith((".yaml", ".yml")):
         profiled.to_yaml(args.out)
     else:
@@ -521,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _configure_logging(args)
-    from .errors import AlpaTorchError, BatchSplitError, ClusterSpecError, PlanError, PlannerError
+    from alpa_torch.core.errors import AlpaTorchError, BatchSplitError, ClusterSpecError, PlanError, PlannerError
 
     try:
         return _COMMANDS[args.func](args)

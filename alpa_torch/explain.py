@@ -2,7 +2,7 @@
 
 Owns the explanation of a ``ParallelPlan`` (``explain(plan) -> str``), the
 runner-up plans (``alternatives``) and the planning entry the CLI uses
-(``plan_with_model``: ``stage_dp.search.plan`` with a ``StageCostModel`` kept, so
+(``stage_dp.planner.make_plan_with_model``: planning with its ``StageCostModel`` kept, so
 the runner-ups reuse every ILP solution). It does not search anything new: the
 runner-ups are the same stage DP (``stage_dp.search.run_dp``) on the same priced
 stage tables (``build_tables``), re-run with forced options.
@@ -40,44 +40,14 @@ import dataclasses
 import logging
 import math
 import re
-from collections.abc import Callable
 
-from .plan import ParallelPlan, _ranges
+from alpa_torch.core.cluster import GiB
+from alpa_torch.core.plan import ParallelPlan, _ranges
 
 log = logging.getLogger(__name__)
-_GiB = 2.0**30
 _MS = 1e3
 MEMORY_TIGHT = 0.95
 """Peak / budget above which the heuristic calls memory binding."""
-
-
-# ------------------------------------------------------------------ planning with the cost model kept
-def plan_with_model(graph, cluster, *, num_microbatches=None, num_layers=None, num_stages=None, pipeline=True,
-                    sharding=True, memory_budget_bytes=None, schedule="1f1b",
-                    progress: Callable[[str], None] | None = None, checkpointing="auto"):
-    """``stage_dp.search.plan`` as ``parallelize`` calls it; returns (plan, StageCostModel)."""
-    from stage_dp.layer_assign import assign_layers
-    from stage_dp.search import plan as search
-    from stage_dp.stage_costs import StageCostModel
-
-    from .api import microbatch_error
-    from .coupling import batch_coupling
-    from .errors import PlanError
-
-    reason = batch_coupling(graph)
-    if reason is not None:  # microbatches would change the numbers (api.make_plan)
-        if num_microbatches not in (None, 1):
-            raise microbatch_error(num_microbatches, reason)
-        num_microbatches = 1
-    try:
-        layers = assign_layers(graph, num_layers)
-    except ValueError as exc:
-        raise PlanError(str(exc)) from exc
-    model = StageCostModel(graph, cluster, layers, sharding=sharding, progress=progress)
-    plan = search(graph, cluster, num_microbatches=num_microbatches, num_stages=num_stages, pipeline=pipeline,
-                  sharding=sharding, memory_budget_bytes=memory_budget_bytes, schedule=schedule,
-                  progress=progress, cost_model=model, checkpointing=checkpointing)
-    return plan, model
 
 
 # ------------------------------------------------------------------ runner-ups
@@ -114,11 +84,10 @@ def alternatives(model, plan: ParallelPlan) -> list[dict]:
 def _microbatch_counts(graph, plan: ParallelPlan) -> list[int]:
     """Every B the search could try (also when the plan's B was forced); 1 only when the step couples
     its batch (BatchNorm, a pooled statistic used nonlinearly: ``coupling``)."""
+    from stage_dp.coupling import batch_coupling
     from stage_dp.search import microbatch_candidates
 
-    from .api import couples_batch
-
-    return [1] if couples_batch(graph) else microbatch_candidates(graph, None)
+    return [1] if batch_coupling(graph) is not None else microbatch_candidates(graph, None)
 
 
 def _stage_counts(chosen: int, model, devices: int) -> list[int]:
@@ -190,8 +159,8 @@ def binding_constraint(plan: ParallelPlan) -> tuple[str, str]:
             gain = 1 - best["predicted_step_s"] / plan.predicted_step_s
             return "memory", (f"without a memory limit the plan {best['summary']} would take "
                               f"{best['predicted_step_s'] * _MS:.3f} ms ({gain:.1%} faster) but needs "
-                              f"{best['peak_memory_bytes'] / _GiB:.2f} GiB per device, over the "
-                              f"{plan.memory_budget_bytes / _GiB:.2f} GiB budget")
+                              f"{best['peak_memory_bytes'] / GiB:.2f} GiB per device, over the "
+                              f"{plan.memory_budget_bytes / GiB:.2f} GiB budget")
         pace = ("the slowest stage sets the pace (B x t_max) and the pipeline fill/drain adds the bubble"
                 if len(plan.stages) > 1 else "the stage's compute and communication are the step")
         return "time", f"no faster plan exists even with unlimited memory: {pace}"
@@ -220,13 +189,13 @@ def explain(plan: ParallelPlan, top: int = 8) -> str:
                      f"{part['compute_s'] * _MS:.3f}", f"{part['comm_s'] * _MS:.3f}",
                      f"({part['cross_stage_s'] * _MS:.3f})", f"{part['bubble_s'] * _MS:.3f}", f"{busy:.0%}"))
     lines += _table(rows)
-    lines += ["", f"Memory per device (budget {plan.memory_budget_bytes / _GiB:.3f} GiB):"]
+    lines += ["", f"Memory per device (budget {plan.memory_budget_bytes / GiB:.3f} GiB):"]
     rows = [("stage", "devices", "persistent GiB", "activations GiB", "in flight", "peak GiB", "headroom GiB")]
     for s in plan.stages:
         head_b = plan.memory_budget_bytes - s.memory_bytes
-        rows.append((str(s.index), _ranges(s.device_ids), f"{s.persistent_bytes / _GiB:.3f}",
-                     f"{s.activation_bytes / _GiB:.3f}", str(s.in_flight), f"{s.memory_bytes / _GiB:.3f}",
-                     f"{head_b / _GiB:.3f} ({head_b / plan.memory_budget_bytes:.0%})"))
+        rows.append((str(s.index), _ranges(s.device_ids), f"{s.persistent_bytes / GiB:.3f}",
+                     f"{s.activation_bytes / GiB:.3f}", str(s.in_flight), f"{s.memory_bytes / GiB:.3f}",
+                     f"{head_b / GiB:.3f} ({head_b / plan.memory_budget_bytes:.0%})"))
     lines += _table(rows)
     kind, why = binding_constraint(plan)
     slow = max(plan.stages, key=lambda s: (s.time_s, -s.index))
@@ -277,7 +246,7 @@ def _runner_ups(plan: ParallelPlan, top: int) -> list[str]:
     for n, a in enumerate(others[:top], 1):
         rows.append((str(n), f"{a['predicted_step_s'] * _MS:.3f}",
                      f"{a['predicted_step_s'] / plan.predicted_step_s - 1:+.1%}" if plan.predicted_step_s else "-",
-                     f"{a['peak_memory_bytes'] / _GiB:.3f}", "yes" if a["fits"] else "NO", a["label"],
+                     f"{a['peak_memory_bytes'] / GiB:.3f}", "yes" if a["fits"] else "NO", a["label"],
                      a["summary"]))
     return lines + _table(rows)
 

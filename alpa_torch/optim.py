@@ -1,6 +1,6 @@
 """Functional twins of ``torch.optim`` SGD, Adam and AdamW.
 
-Why: ``torch.optim`` cannot be traced into a graph on CPU (FINDINGS.md:
+Why: ``torch.optim`` cannot be traced into a graph on CPU (docs/design.md:
 ``.item()`` on the step count, ``capturable`` refused for CPU tensors), so the
 captured step replaces ``optimizer.step()`` by these functions. They follow the
 single-tensor code path of torch 2.13 (``torch/optim/sgd.py``,
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import CaptureError
+from alpa_torch.core.errors import CaptureError
 
 _SUPPORTED = ("SGD", "Adam", "AdamW")
 

@@ -8,7 +8,7 @@ over (as sorted JSON):
     graph_fingerprint(graph)                the model, optimizer and batch shapes, and the
                                             precision ('bf16' / 'fp16': ``parallelize(precision=...)``)
     cluster.to_dict()                       devices, links, calibration
-    planner options                         num_microbatches, num_stages, ... (not ``progress``)
+    PlanOptions.to_dict()                   num_microbatches, num_stages, ... (the planner's options)
     intra_ilp.cost_model.COST_MODEL_VERSION a new cost model prices plans differently
     plan.FORMAT_VERSION, CACHE_VERSION      a new plan or entry format, or a planner that plans differently
 
@@ -31,12 +31,17 @@ import json
 import logging
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import plan as plan_format
-from .errors import PlanError
-from .plan import ParallelPlan, graph_fingerprint
+from alpa_torch.core import plan as plan_format
+from alpa_torch.core.cluster import Cluster
+from alpa_torch.core.errors import PlanError
+from alpa_torch.core.graph import OpGraph
+from alpa_torch.core.options import PlanOptions
+from alpa_torch.core.plan import ParallelPlan, graph_fingerprint
+from stage_dp.planner import make_plan
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +59,12 @@ def default_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "alpa_torch" / "plans"
 
 
-def key_fields(graph, cluster, options: dict[str, Any]) -> dict[str, Any]:
+def key_fields(graph: OpGraph, cluster: Cluster, options: PlanOptions) -> dict[str, Any]:
     """What the plan depends on, as JSON data (module docstring)."""
     from intra_ilp import cost_model  # read at call time: a new version must miss
 
-    opts = {k: v for k, v in options.items() if k != "progress"}
-    fields = {"graph_fingerprint": graph_fingerprint(graph), "cluster": cluster.to_dict(), "options": opts,
+    fields = {"graph_fingerprint": graph_fingerprint(graph), "cluster": cluster.to_dict(),
+              "options": options.to_dict(),
               "cost_model_version": cost_model.COST_MODEL_VERSION,
               "plan_format_version": plan_format.FORMAT_VERSION, "cache_version": CACHE_VERSION}
     return json.loads(json.dumps(fields, sort_keys=True, default=repr))  # tuples -> lists, as stored
@@ -143,18 +148,18 @@ class PlanCache:
         return path
 
 
-def cached_plan(cache: PlanCache | None, graph, cluster, options: dict[str, Any], search) -> tuple[ParallelPlan, str]:
-    """``(plan, source)``: from ``cache`` ('cache') or ``search(graph, cluster, **options)`` ('search'),
+def cached_plan(cache: PlanCache | None, graph: OpGraph, cluster: Cluster, options: PlanOptions,
+                progress: Callable[[str], None] | None = None) -> tuple[ParallelPlan, str]:
+    """``(plan, source)``: from ``cache`` ('cache') or ``stage_dp.planner.make_plan`` ('search'),
     then stored in the cache."""
     if cache is None:
-        return search(graph, cluster, **options), "search"
+        return make_plan(graph, cluster, options, progress=progress), "search"
     fields = key_fields(graph, cluster, options)
     hit = cache.get(fields, graph, cluster)
     if hit is not None:
         plan, warnings = hit
         for name, level, message in warnings:
             logging.getLogger(name).log(level, "%s [cached plan]", message)
-        progress = options.get("progress")
         if progress is not None:
             progress(f"plan loaded from cache {cache.path(cache_key(fields))}: {plan.summary()}")
         return plan, "cache"
@@ -162,7 +167,7 @@ def cached_plan(cache: PlanCache | None, graph, cluster, options: dict[str, Any]
     for name in PLANNER_LOGGERS:
         logging.getLogger(name).addHandler(recorder)
     try:
-        plan = search(graph, cluster, **options)
+        plan = make_plan(graph, cluster, options, progress=progress)
     finally:
         for name in PLANNER_LOGGERS:
             logging.getLogger(name).removeHandler(recorder)

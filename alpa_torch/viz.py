@@ -3,7 +3,7 @@
 Owns three things, all drawn with matplotlib's object API on the Agg canvas (no
 pyplot, no global figure state, no display needed):
 
-- ``predicted_timeline(plan)``: the cost model's step as a ``runtime.schedule``
+- ``predicted_timeline(plan)``: the cost model's step as a ``alpa_torch.core.schedule``
   simulation. Each stage's per-microbatch time ``t_k`` (``StagePlan.time_s``) is
   split into its parts: the optimizer update (``update_s`` per step, drawn once at
   the end), the cross-stage transfer ``x_k`` (``cross_stage_s``: activations in and
@@ -25,7 +25,7 @@ pyplot, no global figure state, no display needed):
   runtime to record (phase, microbatch, start, end) per worker: see
   docs/architecture.md, "Tracing hook".
 
-What it does not own: the plan, the schedule or the simulation (``runtime.schedule``).
+What it does not own: the plan, the schedule or the simulation (``alpa_torch.core.schedule``).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .errors import require_extra
-from .plan import ParallelPlan, _ranges
+from alpa_torch.core.errors import require_extra
+from alpa_torch.core.plan import ParallelPlan, _ranges
 
 FORWARD_SHARE = 1.0 / 3.0
 """Share of a stage's forward + backward time drawn as forward (module docstring)."""
@@ -56,8 +56,8 @@ def stage_times(plan: ParallelPlan) -> dict[str, list[float] | float]:
 
 
 def predicted_timeline(plan: ParallelPlan):
-    """``runtime.schedule.simulate`` of the plan's schedule with the cost model's times."""
-    from runtime.schedule import gpipe, one_f_one_b, simulate
+    """``alpa_torch.core.schedule.simulate`` of the plan's schedule with the cost model's times."""
+    from alpa_torch.core.schedule import gpipe, one_f_one_b, simulate
 
     make = {"gpipe": gpipe, "1f1b": one_f_one_b}[plan.schedule]
     return simulate(make(len(plan.stages), plan.num_microbatches), **stage_times(plan))
@@ -68,7 +68,7 @@ def trace_from_timeline(timeline, plan: ParallelPlan | None = None, per_device: 
     """A Chrome/Perfetto trace (dict) of a simulated ``Timeline``: compute events only
     (F, B, U); one row (tid) per device of each stage (pid), or one per stage with
     ``per_device=False`` or without a plan."""
-    from runtime.schedule import BACKWARD, FORWARD, UPDATE
+    from alpa_torch.core.schedule import BACKWARD, FORWARD, UPDATE
 
     cats = {FORWARD: "forward", BACKWARD: "backward", UPDATE: "update"}
     events: list[dict] = []

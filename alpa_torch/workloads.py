@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import require_extra
+from alpa_torch.core.errors import require_extra
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GPT3_SIZES = ("1.3b", "2.6b", "6.7b", "15b", "39b")

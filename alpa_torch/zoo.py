@@ -1,4 +1,4 @@
-"""Test model zoo: small models, their example batches, and a plain training step.
+"""The model zoo: small models for the demo, the tests and the benchmarks, their batches, one plain step.
 
 What it owns: the models that tests and benchmarks parallelize (an MLP, a
 nanoGPT-style GPT, a BatchNorm CNN, and Hugging Face GPT-2 / Llama built from

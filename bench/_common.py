@@ -151,7 +151,7 @@ def eager_reference(cfg: BenchConfig) -> dict:
 
 
 def _init_rank(rank: int, world: int, port: int) -> None:
-    torch.set_num_threads(1)  # one thread per virtual device (FINDINGS.md)
+    torch.set_num_threads(1)  # one thread per virtual device (docs/design.md)
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                          world_size=world, timeout=datetime.timedelta(seconds=300))
 

@@ -2,7 +2,7 @@
 
 What it owns:
 
-- ``profiled_cluster``: ``Cluster.local(h, d).profile()`` once, cached as JSON
+- ``profiled_cluster``: ``profile_cluster(Cluster.local(h, d))`` once, cached as JSON
   under ``/tmp/alpa_torch_bench`` (``--reprofile`` measures again);
 - ``Workload``: one seeded GPT (``_common.build_model``), its AdamW,
   the step captured at the global batch, and the initial state as numpy;
@@ -74,13 +74,14 @@ def _ship_by_value() -> None:
 
 def profiled_cluster(hosts: int, devices: int, *, reprofile: bool = False, cache_dir: Path = CACHE_DIR):
     """``(cluster, cached)``: the profiled ``Cluster.local(hosts, devices)``, from the cache if there."""
-    from alpa_torch.cluster import Cluster
+    from alpa_torch.core.cluster import Cluster
+    from runtime.profile import profile_cluster
 
     path = Path(cache_dir) / f"cluster_local_{hosts}x{devices}.json"
     if path.exists() and not reprofile:
         return Cluster.from_json(path), True
     t0 = time.perf_counter()
-    cluster = Cluster.local(hosts, devices).profile()
+    cluster = profile_cluster(Cluster.local(hosts, devices))
     path.parent.mkdir(parents=True, exist_ok=True)
     cluster.to_json(path)
     log.info("profiled %dx%d in %.1f s -> %s", hosts, devices, time.perf_counter() - t0, path)
@@ -336,7 +337,7 @@ def stage_op_counts(plan, graph) -> list[dict]:
 def plan_deployer(plan, wl: Workload, cluster):
     """``group -> engine`` for ``plan``, deployed as ``ParallelStep`` does (``api.deploy_plan``)."""
     from alpa_torch.api import deploy_plan
-    from alpa_torch.errors import PlanError
+    from alpa_torch.core.errors import PlanError
 
     graph = wl.microbatch_graph(plan.num_microbatches)
     if set(graph.nodes) != set(wl.graph.nodes):  # ParallelStep._runtime_graph refuses it the same way

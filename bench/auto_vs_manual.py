@@ -7,7 +7,7 @@ Usage (from the repository root; about 10 minutes on a 2-core machine)::
 
 Cases: ``Cluster.local(2, 2)`` and ``Cluster.local(1, 4)`` (4 virtual CPU
 devices, one process and one torch thread each, gloo), each profiled once
-(``Cluster.profile()``, cached under ``/tmp/alpa_torch_bench``; ``--reprofile``),
+(``profile_cluster``, cached under ``/tmp/alpa_torch_bench``; ``--reprofile``),
 times two GPT shapes (``alpa_torch.zoo.GPT``, AdamW, vocab 1024, T 64, batch 16):
 
 - ``deep``: 8 layers, 4 heads, d 128 (narrow: many small operators);
@@ -100,7 +100,7 @@ def manual_plans(shape: tuple[int, int]) -> dict[str, tuple]:
 def auto_plan(wl, cluster):
     """The plan ``parallelize(train_step, cluster=cluster)`` would run (no cache, no forced option)."""
     from alpa_torch.api import ParallelStep
-    from alpa_torch.plan import graph_fingerprint
+    from alpa_torch.core.plan import graph_fingerprint
     from alpa_torch.zoo import train_step
 
     step = ParallelStep(train_step, cluster, plan_cache=False)
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reprofile", action="store_true")
     args = parse_measuring_args(ap, argv)
     cases = select(ap, args.cases, CASES, "case")
-    from alpa_torch.cluster import Cluster
+    from alpa_torch.core.cluster import Cluster
     from runtime.group import WorkerGroup
     from runtime.ray_env import ensure_ray, stop_ray
 

@@ -9,7 +9,7 @@ Usage (from the repository root; 8-15 minutes on a shared 2-core machine, depend
     python bench/fidelity.py --reprofile        # measure the cluster again instead of the cached JSON
     python bench/fidelity.py --cluster 1x2      # 2 devices on the 2 cores: the same test without oversubscription
 
-``Cluster.local(2, 2).profile()`` is measured once (matmul FLOP/s, memory
+``profile_cluster(Cluster.local(2, 2))`` is measured once (matmul FLOP/s, memory
 bandwidth, per-collective alpha/beta on the intra- and inter-"host" groups) and
 cached as ``/tmp/alpa_torch_bench/cluster_local_2x2.json``. Every plan below is
 priced with that calibrated cluster by the planner itself
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.timed_steps < 5:
         log.warning("--timed-steps %d < 5: the medians are noisier than the benchmark's protocol", args.timed_steps)
     t_start = time.perf_counter()
-    from alpa_torch.cluster import Cluster
+    from alpa_torch.core.cluster import Cluster
     from runtime.ray_env import ensure_ray, stop_ray
 
     cfg = BenchConfig(**MODELS[args.model], warmup_steps=args.warmup_steps, timed_steps=args.timed_steps)

@@ -33,7 +33,7 @@ import time
 import torch
 
 from alpa_torch.capture import capture
-from alpa_torch.cluster import Cluster
+from alpa_torch.core.cluster import Cluster
 from alpa_torch.zoo import GPT, gpt_config, make_optimizer, train_step
 from intra_ilp.cost_model import MeshCost
 from intra_ilp.stage import build_stage_instance, solve_stage

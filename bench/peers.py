@@ -26,7 +26,7 @@ one torch thread (gloo), started fresh for its peer.
   and the LM head stay replicated; every rank sees the whole batch;
 - ``fsdp2``: ``fully_shard`` on every block and on the model (FSDP2), batch split over 4 ranks;
 - ``alpa_auto``: alpa-torch's automatic plan for ``Cluster.local(1, 4)``
-  profiled (``Cluster.profile()``, cached; what ``parallelize`` plans with that
+  profiled (``profile_cluster``, cached; what ``parallelize`` plans with that
   cluster, ``ParallelStep.make_plan``), run by its runtime on 4 Ray workers
   (``_plans.run_on_workers``).
 
@@ -151,7 +151,7 @@ def run_torch(peer: str, cfg: BenchConfig) -> dict:
 
 def run_alpa(cfg: BenchConfig, reprofile: bool) -> dict:
     from alpa_torch.api import ParallelStep
-    from alpa_torch.cluster import Cluster
+    from alpa_torch.core.cluster import Cluster
     from alpa_torch.zoo import train_step
     from runtime.ray_env import ensure_ray, stop_ray
 

@@ -53,8 +53,8 @@ import time
 import torch
 
 from alpa_torch.capture import capture
-from alpa_torch.cluster import Cluster
-from alpa_torch.errors import InfeasibleMemoryError
+from alpa_torch.core.cluster import Cluster, GiB
+from alpa_torch.core.errors import InfeasibleMemoryError
 from alpa_torch.zoo import GPT, gpt_config, make_optimizer, train_step
 from stage_dp import assign_layers
 from stage_dp.search import build_tables, candidate_columns, microbatch_candidates, plan, step_time
@@ -64,7 +64,6 @@ MODELS = ("1.3b", "2.6b", "6.7b", "15b", "39b")
 DEVICES = {"v100": dict(device="v100-16gb", intra="nvlink2", inter="eth-25g"),
            "a100": dict(device="a100-80gb", intra="nvlink3", inter="ib-200g")}
 GLOBAL_BATCH, SEQ = 1024, 1024
-_GiB = 2.0**30
 
 
 def capture_gpt(name: str, dtype: str, precision: str = "fp32"):
@@ -117,12 +116,12 @@ def run_case(graph, name, hosts, device, capture_s, progress):
     except InfeasibleMemoryError as exc:
         out.update(plan_s=round(time.perf_counter() - t0, 2), plan_cpu_s=round(_cpu_s() - c0, 2),
                    num_ilps=model.num_ilps, error=str(exc),
-                   required_gib=round(exc.required_bytes / _GiB, 3))
+                   required_gib=round(exc.required_bytes / GiB, 3))
         return out
     out.update(plan_s=round(time.perf_counter() - t0, 2), plan_cpu_s=round(_cpu_s() - c0, 2),
                num_ilps=model.num_ilps, ilp_s=round(model.ilp_s, 2),
                num_layers=layers.num_layers, predicted_step_s=round(p.predicted_step_s, 4),
-               peak_memory_gib=round(p.peak_memory_bytes / _GiB, 3), plan=p.summary(),
+               peak_memory_gib=round(p.peak_memory_bytes / GiB, 3), plan=p.summary(),
                recomputed_layers=len(p.recompute_layers),
                recompute_by_stage=[len(st.recompute_layers) for st in p.stages])
     t1 = time.perf_counter()

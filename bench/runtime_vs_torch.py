@@ -26,7 +26,7 @@ thread each, gloo.
 - ``dp4_2x2``: the same on ``Cluster.local(2, 2)`` with the 2D logical mesh
   (2, 2) and the batch ``S(0)S(0)`` (split over both axes). Same baseline.
 - ``pp2_1f1b`` / ``pp4_1f1b``: alpa-torch's 2- / 4-stage 1F1B pipeline
-  (``PipelineEngine``): stages are even ranges of transformer blocks
+  (``Engine``): stages are even ranges of transformer blocks
   (``assign_layers(..., boundaries_by_module='blocks')``; the embeddings join
   the first stage, the head the last), one device per stage,
   ``--microbatches`` microbatches (default 4). Baseline:
@@ -287,7 +287,7 @@ def _breakdown(driver_times: list[float], timers: list[dict] | None) -> dict | N
 def run_alpa_dp(cfg: BenchConfig, hosts: int, devices: int, plan: str, breakdown: bool = False) -> dict:
     """Pure data parallelism over a ``hosts x devices`` local cluster."""
     from alpa_torch.capture import capture
-    from alpa_torch.cluster import Cluster
+    from alpa_torch.core.cluster import Cluster
     from alpa_torch.optim import FunctionalOptimizer
     from intra_ilp.cost_model import MeshCost
     from runtime.engine import Engine
@@ -319,13 +319,13 @@ def run_alpa_dp(cfg: BenchConfig, hosts: int, devices: int, plan: str, breakdown
 def run_alpa_pipeline(cfg: BenchConfig, num_stages: int, breakdown: bool = False) -> dict:
     """1F1B over ``num_stages`` single-device stages cut at transformer-block boundaries."""
     from alpa_torch.capture import capture
-    from alpa_torch.cluster import Cluster
+    from alpa_torch.core.cluster import Cluster
+    from alpa_torch.core.partition import stage_of_nodes
     from alpa_torch.optim import FunctionalOptimizer
     from intra_ilp.cost_model import MeshCost
     from intra_ilp.stage import solve_stage
+    from runtime.engine import Engine, StageDeployment
     from runtime.group import WorkerGroup
-    from runtime.partition import stage_of_nodes
-    from runtime.pipeline_engine import PipelineEngine, StageDeployment
     from stage_dp.layer_assign import assign_layers
 
     t0 = time.perf_counter()
@@ -345,7 +345,7 @@ def run_alpa_pipeline(cfg: BenchConfig, num_stages: int, breakdown: bool = False
     state = _initial_state(model, functional)
     with WorkerGroup.start(cluster) as group:
         base = max(group.call_all(_worker_rss_now))
-        engine = PipelineEngine(group, graph, deployments, stage_of, cfg.microbatches, "1f1b", cluster=cluster)
+        engine = Engine(group, graph, deployments, stage_of, cfg.microbatches, "1f1b", cluster=cluster)
         engine.load_state(state)
         setup_s = time.perf_counter() - t0
         times, losses = _timed_steps(cfg, engine.step, functional, _installer(group, breakdown))
@@ -400,7 +400,7 @@ def _run_case(cfg: BenchConfig, case: str, dp_plan: str, breakdown: bool) -> tup
 
 def run(cfg: BenchConfig, cases: list[str], dp_plan: str, breakdown: bool = False) -> list[dict]:
     """Every case, PyTorch then alpa-torch back to back (the machine's load drifts), on one Ray."""
-    from alpa_torch.cluster import Cluster
+    from alpa_torch.core.cluster import Cluster
     from runtime.ray_env import ensure_ray, stop_ray
 
     if __name__ != "__main__":  # imported: ship the worker probes by value (Ray workers cannot import bench/)

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from alpa_torch import Cluster, parallelize
+from alpa_torch import Cluster, cluster_from_ray, parallelize
 from alpa_torch.zoo import GPT, GPTConfig, make_batch, make_optimizer, train_step
 
 log = logging.getLogger("train_gpt")
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     import ray
 
     connected = bool(os.environ.get("RAY_ADDRESS")) or ray.is_initialized()
-    cluster = Cluster.from_ray() if connected else Cluster.local(args.hosts, args.devices)
+    cluster = cluster_from_ray() if connected else Cluster.local(args.hosts, args.devices)
     log.info("cluster: %s", cluster.describe())
 
     torch.manual_seed(0)

@@ -4,11 +4,11 @@ What it owns: the numbers the ILP minimises. Every cost is in seconds
 (``_s``), every size in bytes (``_bytes``). It does not own strategies (which
 specs an operator may take) nor the ILP itself; its inputs are a ``MeshCost``
 (built from the cluster description by ``MeshCost.from_cluster``, or by hand
-in tests) and ``ShardingSpec``s from ``intra_ilp.spec``.
+in tests) and ``ShardingSpec``s from ``alpa_torch.core.spec``.
 
 Formulas
 --------
-Compute, roofline (DESIGN.md "Cost model")::
+Compute, roofline (docs/design.md "Cost model")::
 
     compute_s = max(flops / (peak_flops(dtype) * compute_efficiency),
                     bytes_accessed / memory_bandwidth_bytes_per_s)
@@ -41,7 +41,7 @@ Alpa's ``LogicalDeviceMesh.*_cost(num_bytes, mesh_dim)``)::
 
 and 0 when ``n == 1``. Each β is multiplied by a per-collective scale
 (``MeshCost.*_beta_scale``): gloo on CPU runs all_gather / reduce_scatter
-3–4x slower per byte than all_reduce (FINDINGS.md), NCCL does not. Alpa's code
+3–4x slower per byte than all_reduce (docs/design.md), NCCL does not. Alpa's code
 also adds tiny tie-break constants and an ``n/2`` penalty on all-to-all; both
 are left out here.
 
@@ -101,7 +101,7 @@ from typing import Any
 
 import numpy as np
 
-from intra_ilp.spec import P, Placement, R, S, ShardingSpec
+from alpa_torch.core.spec import P, Placement, R, S, ShardingSpec
 
 logger = logging.getLogger(__name__)
 
@@ -316,7 +316,7 @@ def p2p_s(mesh: MeshCost, axis: int, nbytes: float) -> float:
 
 
 def compute_s(mesh: MeshCost, flops: float, bytes_accessed: float, dtype: str | None = None) -> float:
-    """Roofline time of one operator on one device (DESIGN.md "Cost model").
+    """Roofline time of one operator on one device (docs/design.md "Cost model").
 
     max(flops / (flops_per_s(dtype) × compute_efficiency), bytes_accessed / memory_bandwidth_bytes_per_s);
     ``dtype``: the operator's (output) dtype name, None for the mesh's default peak.

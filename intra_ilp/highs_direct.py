@@ -12,7 +12,7 @@ with one ``passModel``. Pyomo's persistent HiGHS interface adds variables and
 rows one Python object at a time (measured here: ~0.5 s to load a 20k-column
 model, longer than HiGHS takes to solve it); compiling plus ``passModel``
 takes a fifth of that. The compiler merges repeated terms of a row, so HiGHS
-never sees a row naming one column twice (FINDINGS.md). The model stays loaded
+never sees a row naming one column twice (docs/design.md). The model stays loaded
 between the LP, the dive and the MIP, so each re-solve starts from the last
 basis.
 """

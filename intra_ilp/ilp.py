@@ -48,7 +48,7 @@ import numpy as np
 import pyomo.environ as pe
 from pyomo.core.expr.numeric_expr import LinearExpression, MonomialTermExpression
 
-from alpa_torch.errors import InfeasibleMemoryError
+from alpa_torch.core.errors import InfeasibleMemoryError
 from intra_ilp import rounding
 from intra_ilp.highs_direct import INFEASIBLE, OPTIMAL, STATUS, HighsDirect
 from intra_ilp.instance import ILPInstance

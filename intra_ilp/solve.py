@@ -19,7 +19,7 @@ import logging
 import math
 import sys
 
-from alpa_torch.errors import InfeasibleMemoryError
+from alpa_torch.core.errors import InfeasibleMemoryError
 from intra_ilp.ilp import solve_instance
 from intra_ilp.instance import ILPInstance
 

@@ -34,68 +34,23 @@ import math
 import operator
 import re
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.fx as fx
 
-from alpa_torch.errors import PlanError
+from alpa_torch.core.errors import PlanError
+from alpa_torch.core.grad_op import GRAD_MARKER_NAME
+from alpa_torch.core.graph import OpGraph
+from alpa_torch.core.sharding import StageSharding
+from alpa_torch.core.spec import ShardingSpec
 
 from . import cost_model as cm
 from .instance import Follower, ILPEdge, ILPInstance, ILPNode
-from .spec import ShardingSpec
 from .strategies import Strategy, node_strategies, source_specs
 
-GRAD_MARKER_NAME = "alpa.grad.default"
 WL_ROUNDS = 3
 """Rounds of label refinement for ``exploit_repetition`` (the radius of the likeness test)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StageSharding:
-    """The intra-op plan of one stage on one logical mesh."""
-
-    mesh_shape: tuple[int, int]
-    value_specs: dict
-    """value (fx node) name -> spec of its (first) tensor output."""
-    input_specs: dict
-    """operator name -> spec of each unique tensor input (``all_input_nodes`` order)."""
-    compute_s: float
-    comm_s: float
-    reshard_s: float
-    persistent_bytes: float
-    """Per device: parameters, optimizer state, buffers, gradients."""
-    activation_bytes: float
-    """Per device and microbatch in flight: forward values kept for backward."""
-    solver_status: str = "optimal"
-    gap: float = 0.0
-    build_s: float = 0.0
-    solve_s: float = 0.0
-    num_vars: int = 0
-    num_constraints: int = 0
-
-    @property
-    def total_s(self) -> float:
-        return self.compute_s + self.comm_s + self.reshard_s
-
-    def memory_bytes(self, in_flight: int = 1) -> float:
-        return self.persistent_bytes + in_flight * self.activation_bytes
-
-    def to_dict(self) -> dict:
-        d = {f: getattr(self, f) for f in self.__slots__ if f not in ("value_specs", "input_specs")}
-        d["mesh_shape"] = list(self.mesh_shape)
-        d["value_specs"] = {k: str(v) for k, v in self.value_specs.items()}
-        d["input_specs"] = {k: [str(s) for s in v] for k, v in self.input_specs.items()}
-        return d
-
-    @staticmethod
-    def from_dict(d: dict) -> StageSharding:
-        d = dict(d)
-        d["mesh_shape"] = tuple(d["mesh_shape"])
-        d["value_specs"] = {k: ShardingSpec.parse(v) for k, v in d["value_specs"].items()}
-        d["input_specs"] = {k: tuple(ShardingSpec.parse(s) for s in v) for k, v in d["input_specs"].items()}
-        return StageSharding(**d)
 
 
 def _source_line(node) -> str:
@@ -396,7 +351,7 @@ def _as_list(val):
     return list(val) if isinstance(val, (list, tuple)) else [val]
 
 
-def build_stage_instance(graph, mesh: cm.MeshCost, *, names: set[str] | None = None,
+def build_stage_instance(graph: OpGraph, mesh: cm.MeshCost, *, names: set[str] | None = None,
                          memory_budget_bytes: float = math.inf, exploit_repetition: bool = True,
                          force: dict[str, str] | None = None, memo: dict | None = None):
     """The ILP of the operators ``names`` (all when None) on ``mesh``; returns (instance, builder).
@@ -425,7 +380,7 @@ def build_stage_instance(graph, mesh: cm.MeshCost, *, names: set[str] | None = N
     return instance, b
 
 
-def solve_stage(graph, mesh: cm.MeshCost, *, names: set[str] | None = None,
+def solve_stage(graph: OpGraph, mesh: cm.MeshCost, *, names: set[str] | None = None,
                 memory_budget_bytes: float = math.inf, time_limit_s: float = 60.0,
                 mip_gap: float = 0.01, exploit_repetition: bool = True,
                 force: dict[str, str] | None = None) -> StageSharding:
@@ -437,16 +392,25 @@ def solve_stage(graph, mesh: cm.MeshCost, *, names: set[str] | None = None,
                                        exploit_repetition=exploit_repetition, force=force)
     build_s = time.perf_counter() - t0
     sol = solve_instance(instance, time_limit_s=time_limit_s, mip_gap=mip_gap)
-    chosen = {name: b.options[name][k] for name, k in zip(b.order, sol.strategy_index)}
-    persistent, saved = b.memory_rows
-    mem = [instance.nodes[i].memory_bytes[sol.strategy_index[i]] for i in range(len(instance.nodes))]
+    return stage_sharding(b, instance, sol, (sol.compute_s, sol.comm_s, sol.reshard_s), build_s=build_s)
+
+
+def stage_sharding(builder, instance: ILPInstance, sol, costs: tuple[float, float, float], *,
+                   ops: set[str] | None = None, build_s: float = 0.0) -> StageSharding:
+    """The ``StageSharding`` of a solved stage instance (what ``build_stage_instance`` returned and
+    what the solver chose): every value's spec, the input specs of ``ops`` (default: every operator
+    of the stage), ``costs`` = (compute_s, comm_s, reshard_s) and the per-device memory of the
+    chosen strategies (persistent: state and gradients; activation: what a microbatch keeps)."""
+    chosen = {name: builder.options[name][k] for name, k in zip(builder.order, sol.strategy_index)}
+    ops = builder.op_names if ops is None else ops
+    persistent, saved = builder.memory_rows
+    mem = [float(instance.nodes[i].memory_bytes[sol.strategy_index[i]]) for i in range(len(instance.nodes))]
     return StageSharding(
-        mesh_shape=tuple(mesh.mesh_shape),
+        mesh_shape=tuple(builder.mesh.mesh_shape),
         value_specs={n: st.outputs[0] for n, st in chosen.items() if st.outputs and st.outputs[0] is not None},
-        input_specs={n: st.inputs for n, st in chosen.items() if n in b.op_names},
-        compute_s=sol.compute_s, comm_s=sol.comm_s, reshard_s=sol.reshard_s,
-        persistent_bytes=float(sum(mem[i] for i in persistent)),
-        activation_bytes=float(sum(mem[i] for i in saved)),
+        input_specs={n: st.inputs for n, st in chosen.items() if n in ops},
+        compute_s=costs[0], comm_s=costs[1], reshard_s=costs[2],
+        persistent_bytes=math.fsum(mem[i] for i in persistent), activation_bytes=math.fsum(mem[i] for i in saved),
         solver_status=sol.status, gap=sol.gap, build_s=build_s + sol.build_s, solve_s=sol.solve_s,
         num_vars=sol.num_vars, num_constraints=sol.num_constraints,
     )

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.utils._pytree
 
-from .spec import P, Placement, R, S, ShardingSpec
+from alpa_torch.core.spec import P, Placement, R, S, ShardingSpec, from_dtensor_placements, to_dtensor_placements
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -65,41 +65,6 @@ def fake_mesh(mesh_shape: tuple[int, int]):
     _ensure_fake_pg()
     n = mesh_shape[0] * mesh_shape[1]
     return DeviceMesh("cpu", torch.arange(n).view(*mesh_shape))
-
-
-def to_dtensor_placements(spec: ShardingSpec):
-    from torch.distributed.tensor import Partial, Replicate, Shard
-
-    return tuple(
-        Shard(p.dim) if p.is_shard else Partial() if p.is_partial else Replicate() for p in spec.placements
-    )
-
-
-def from_dtensor_placements(placements) -> ShardingSpec | None:
-    """Our spec of DTensor placements; None when ``ShardingSpec`` cannot say it.
-
-    Only plain ``Shard``, ``Replicate`` and ``Partial`` of a sum or a mean map.
-    A mean (``Partial('avg')``: a mean-reduced loss over a sharded batch) is
-    priced as ``P``: it reduces with the same collectives as a sum, and the
-    runtime keeps DTensor's own reduce op for a value already partial. A view
-    that flattens a sharded inner dim yields ``_StridedShard`` (a strided, not a
-    contiguous, chunk) and ``amax`` a ``Partial('max')``; reading those as
-    ``S(d)``, ``R`` or ``P`` would price and run a wrong layout, so strategies
-    using them are dropped.
-    """
-    from torch.distributed.tensor import Partial, Replicate, Shard
-
-    out = []
-    for p in placements:
-        if type(p) is Shard:
-            out.append(S(p.dim))
-        elif isinstance(p, Partial) and p.reduce_op in ("sum", "avg"):
-            out.append(P)
-        elif isinstance(p, Replicate):
-            out.append(R)
-        else:
-            return None
-    return ShardingSpec(tuple(out))
 
 
 def _tensor_meta(val: torch.Tensor):

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from alpa_torch.errors import CheckpointError
+from alpa_torch.core.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def local_tiles(state: dict[str, Any]) -> dict[str, tuple[torch.Tensor, Box]]:
     for name, value in state.items():
         if not isinstance(value, DTensor):
             value = torch.as_tensor(value)
-            out[name] = (value.detach().contiguous().clone(), [[0, n] for n in value.shape])
+            out[name] = (value.detach().cpu().contiguous().clone(), [[0, n] for n in value.shape])
             continue
         placements = list(value.placements)
         if any(p.is_partial() for p in placements):
@@ -97,7 +97,7 @@ def local_tiles(state: dict[str, Any]) -> dict[str, tuple[torch.Tensor, Box]]:
         if local.numel() == 0:
             continue  # an uneven shard can be empty
         # clone: safetensors refuses tensors that share storage
-        out[name] = (local.detach().contiguous().clone(), [[o, o + n] for o, n in zip(offset, shape)])
+        out[name] = (local.detach().cpu().contiguous().clone(), [[o, o + n] for o, n in zip(offset, shape)])
     return out
 
 

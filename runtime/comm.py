@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from intra_ilp.spec import ShardingSpec
+from alpa_torch.core.spec import ShardingSpec
 
+from .devices import mesh_device
 from .resharding import MeshPlacement, plan_transfer
 
 _TAG_STRIDE = 1 << 12  # microbatches per crossing
@@ -58,7 +59,7 @@ def _no_partial(value: DTensor) -> DTensor:
 
 
 def _spec_of(value: DTensor) -> str:
-    from intra_ilp.strategies import from_dtensor_placements
+    from alpa_torch.core.spec import from_dtensor_placements
 
     return str(from_dtensor_placements(value.placements))
 
@@ -88,16 +89,17 @@ def send(value: DTensor | torch.Tensor, dst_spec: str, src_mesh: MeshPlacement, 
 def recv(shape, dtype, src_spec: str, dst_spec: str, src_mesh: MeshPlacement, dst_mesh: MeshPlacement,
          device_mesh, tag: int, gather: bool = False) -> DTensor:
     """Receive this device's shard of a value sent with ``send``; returns it as a DTensor."""
-    from intra_ilp.strategies import to_dtensor_placements
+    from alpa_torch.core.spec import to_dtensor_placements
 
     shape = tuple(shape)
     plan = _plan(shape, src_spec, src_mesh, dst_spec, dst_mesh, gather)
     me = dist.get_rank()
     tile = plan.dst_tile(me)
-    local = torch.empty(tile.shape, dtype=dtype)
+    device = mesh_device(device_mesh)
+    local = torch.empty(tile.shape, dtype=dtype, device=device)
     pending = []
     for t in plan.transfers_to(me):
-        buf = torch.empty(t.box.shape, dtype=dtype)
+        buf = torch.empty(t.box.shape, dtype=dtype, device=device)
         pending.append((dist.irecv(buf, t.src_device, tag=tag), buf, t.box))
     for work, buf, box in pending:
         work.wait()
@@ -122,7 +124,7 @@ def _gather_within_destination(plan, me: int, tile, local: torch.Tensor, tag: in
             if mine.numel:
                 sends.append((dist.isend(piece, device, tag=tag), piece))
             if box.numel:
-                buf = torch.empty(box.shape, dtype=local.dtype)
+                buf = torch.empty(box.shape, dtype=local.dtype, device=local.device)
                 recvs.append((dist.irecv(buf, device, tag=tag), buf, box))
     for work, buf, box in recvs:
         work.wait()

@@ -1,31 +1,51 @@
-"""Driver side of the runtime: deploys a planned stage on the workers and runs steps.
+"""Driver side of the runtime: a plan deployed on a ``WorkerGroup``, and its steps.
 
-The driver pickles the captured graph once, sends it with the stage's sharding
-to every worker (``WorkerGroup.call_all``), loads the model state as numpy
-(FINDINGS.md: numpy crosses Ray zero-copy, torch tensors do not), and then
-each step sends only the batch and the optimizer's host scalars; the loss comes
-back from rank 0. State stays on the workers until ``gather_state``, or each
-worker writes its own shards of it (``save_shards``, format in ``checkpoint.py``).
-A failed step raises ``WorkerError`` naming the failed device and its stage
-(``stage_failure``); the ``WorkerGroup`` has then shut itself down.
+One engine for every plan. A plan is a list of stages (devices, logical mesh, sharding);
+one stage on every device with one microbatch runs each device's whole step as one
+program (``interpreter.StageRunner``: its gradients reduced in flat buckets), anything
+else runs each stage's forward, backward and update programs in the schedule's order
+(``pipeline.PipelineRunner``, with cross-mesh resharding between stages).
+
+The driver pickles the captured graph once and sends it, with every stage's program and
+sharding, to every worker (``WorkerGroup.call_all``); every worker builds the mesh of
+every stage in the same order (creating process groups is collective) and keeps its own
+stage's runner. It loads the model state as wire arrays (``wire.py``: numpy, bit for bit
+whatever the dtype), and each step sends only the batch (cut into microbatches by the
+rule of ``alpa_torch.core.microbatches``) and the host scalars. State stays on the workers
+until ``gather_state``, or each worker writes its own shards of it (``save_shards``,
+format in ``checkpoint.py``). A failed step raises ``WorkerError`` naming the failed
+device and its stage (``stage_failure``); the ``WorkerGroup`` has then shut itself down.
 """
 
 from __future__ import annotations
 
 import logging
 import pickle
-import re
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
-from alpa_torch.errors import WorkerError
+from alpa_torch.core.errors import WorkerError
+from alpa_torch.core.microbatches import check_divisible, split_flags
+from alpa_torch.core.partition import partition
+from alpa_torch.core.schedule import compute_order
+from alpa_torch.core.sharding import StageSharding
 
 from .group import WorkerGroup
 from .interpreter import serialize_graph, total_loss
 from .wire import from_wire, to_wire_dict
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StageDeployment:
+    """Where a stage runs and how it is sharded."""
+
+    ranks: tuple[int, ...]
+    mesh_shape: tuple[int, int]
+    sharding: StageSharding
 
 
 def keep_freed_memory() -> None:
@@ -65,18 +85,48 @@ def heap_in_use_bytes() -> float | None:
     return float(info.uordblks + info.hblkhd)
 
 
-def _setup(state: dict, gm_bytes: bytes, sharding: dict, io: dict, ranks: list[int], mesh_shape, seed: int) -> bool:
+# ---------------------------------------------------------------- worker side
+
+
+class _OneStage:
+    """One stage on every device, one microbatch: the runner's whole step as one program."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def step(self, microbatches: list[dict], scalars: dict):
+        return self.runner.step(microbatches[0], scalars)
+
+
+def _install(state: dict, records_bytes: bytes, setup: dict, stage: int) -> bool:
+    """Build every stage's mesh (in the same order on every rank) and this rank's stage program."""
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
-    import alpa_torch.capture  # noqa: F401 - registers the alpa.grad operator the graph calls
+    import alpa_torch.core.grad_op  # noqa: F401 - registers the alpa.grad operator the graph calls
 
+    from .comm import mesh_placement
     from .interpreter import StageRunner
+    from .pipeline import PipelineRunner
 
     keep_freed_memory()
-    records = pickle.loads(gm_bytes)
-    mesh = DeviceMesh("cpu", torch.tensor(ranks).view(*mesh_shape))
-    state["runner"] = StageRunner(records, sharding["value_specs"], sharding["input_specs"], io, mesh, seed=seed)
+    records = pickle.loads(records_bytes)
+    device_type = state["device"].type
+    meshes = [DeviceMesh(device_type, torch.tensor(r).view(*s)) for r, s in zip(setup["ranks"], setup["shapes"])]
+    spec = setup["shardings"][stage]
+    runner = StageRunner(records, spec["value_specs"], spec["input_specs"], setup["io"], meshes[stage],
+                         seed=setup["seed"])
+    state["runner"], state["stage"] = runner, stage
+    state["first_of_stage"] = state["rank"] == setup["ranks"][stage][0]
+    if not setup["pipelined"]:
+        state["program"] = _OneStage(runner)
+        return True
+    state["program"] = PipelineRunner(
+        runner, stage, setup["programs"][stage], setup["crossings"],
+        [mesh_placement(r, s) for r, s in zip(setup["ranks"], setup["shapes"])],
+        [s["value_specs"] for s in setup["shardings"]], setup["value_meta"], setup["orders"][stage],
+        setup["loss_node"], setup["gather"], setup["combine"],
+    )
     return True
 
 
@@ -85,13 +135,13 @@ def _load(state: dict, values: dict) -> bool:
     return True
 
 
-def _step(state: dict, batch: dict, scalars: dict) -> float:
-    return state["runner"].step(batch, scalars)
+def _step(state: dict, microbatches: list, scalars: dict):
+    return state["program"].step(microbatches, scalars)
 
 
 def _gather(state: dict) -> dict | None:
-    full = state["runner"].gather_state()
-    return full if state.get("rank", 0) == 0 else None
+    full = state["runner"].gather_state()  # a collective of the stage's devices
+    return full if state["first_of_stage"] else None
 
 
 def _save(state: dict, directory: str) -> dict | None:
@@ -100,47 +150,129 @@ def _save(state: dict, directory: str) -> dict | None:
     return save_runner(state["runner"], directory, state["rank"])
 
 
+# ---------------------------------------------------------------- driver side
+
+
 class Engine:
-    """One planned stage spanning every worker of a ``WorkerGroup``."""
+    """A plan deployed on every worker of a ``WorkerGroup``.
 
-    def __init__(self, group: WorkerGroup, graph, sharding, *, step_timeout_s: float = 600.0, seed: int = 0):
-        self.group = group
-        self.graph = graph
-        self.sharding = sharding
-        self.step_timeout_s = step_timeout_s
-        io = {
-            "inputs": [(s.kind, s.name, s.node) for s in graph.inputs],
-            "outputs": [(s.kind, s.name, s.node) for s in graph.outputs],
-        }
-        d = sharding.to_dict()
+    ``stages``: the plan's stages, or one ``StageSharding`` for one stage on every device;
+    ``stage_of``: graph node -> stage (``alpa_torch.core.partition.stage_of_nodes``; one stage:
+    None). ``combine``: how microbatches add up (``stage_dp.coupling.loss_combine``)."""
+
+    def __init__(self, group: WorkerGroup, graph, stages: list[StageDeployment] | StageSharding,
+                 stage_of: dict[str, int] | None = None, num_microbatches: int = 1, schedule: str = "1f1b", *,
+                 cluster=None, dst_gather: bool | None = None, step_timeout_s: float = 600.0, seed: int = 0,
+                 combine: str = "mean"):
+        if isinstance(stages, StageSharding):
+            stages = [StageDeployment(tuple(range(group.world_size)), tuple(stages.mesh_shape), stages)]
+        self.group, self.graph, self.stages = group, graph, list(stages)
+        self.num_microbatches, self.step_timeout_s = num_microbatches, step_timeout_s
+        self.pipelined = len(self.stages) > 1 or num_microbatches > 1
+        self.stage_of_rank = {r: k for k, st in enumerate(self.stages) for r in st.ranks}
+        if sorted(self.stage_of_rank) != list(range(group.world_size)):
+            raise ValueError(f"stages cover ranks {sorted(self.stage_of_rank)}, the group has {group.world_size}")
+        io = {"inputs": [(s.kind, s.name, s.node) for s in graph.inputs],
+              "outputs": [(s.kind, s.name, s.node) for s in graph.outputs]}
+        setup = {"ranks": [list(st.ranks) for st in self.stages], "shapes": [list(st.mesh_shape) for st in self.stages],
+                 "shardings": [_sharding_strings(st.sharding) for st in self.stages], "io": io, "seed": seed,
+                 "pipelined": self.pipelined, "combine": combine}
+        self.sources: list[set[str]] | None = None
+        """Per stage, the state it holds (pipelines; one stage holds all)."""
+        self.loss_stage = 0
+        if self.pipelined:
+            self._pipeline_setup(setup, stage_of, schedule, cluster, dst_gather)
         t0 = time.perf_counter()
-        ranks = list(range(group.world_size))
-        specs = {"value_specs": d["value_specs"], "input_specs": d["input_specs"]}
-        group.call_all(_setup, pickle.dumps(serialize_graph(graph.gm)), specs, io, ranks, list(sharding.mesh_shape),
-                       seed)
-        group.call_all(_mark_rank, per_rank_args=[(r,) for r in ranks])
-        log.info("deployed %d-device stage in %.2f s", len(ranks), time.perf_counter() - t0)
+        group.call_all(_install, pickle.dumps(serialize_graph(graph.gm)), setup,
+                       per_rank_args=[(self.stage_of_rank[r],) for r in range(group.world_size)])
+        log.info("deployed %d stage(s), %d microbatch(es) (%s) in %.2f s", len(self.stages), num_microbatches,
+                 schedule, time.perf_counter() - t0)
 
+    def _pipeline_setup(self, setup: dict, stage_of: dict[str, int], schedule: str, cluster, dst_gather) -> None:
+        """The stages' programs, crossings and compute orders, into ``setup``."""
+        graph = self.graph
+        programs, crossings = partition(graph, stage_of, len(self.stages))
+        meta = {n.name: n.meta.get("val") for n in graph.gm.graph.nodes}
+        names_of = {s.node: s.name for s in graph.inputs}
+        loss_node = next(s.node for s in graph.outputs if s.kind == "loss")
+        self.loss_stage = stage_of[loss_node]
+        self.sources = [{names_of[n] for n in p.sources} for p in programs]
+        setup.update(
+            programs=[{"forward": p.forward, "backward": p.backward, "update": p.update} for p in programs],
+            crossings=crossings, loss_node=loss_node,
+            value_meta={c.value: (tuple(meta[c.value].shape), str(meta[c.value].dtype).removeprefix("torch."))
+                        for c in crossings},
+            orders=compute_order(schedule, len(self.stages), self.num_microbatches))
+        setup["gather"] = self._gather_flags(crossings, setup, cluster, dst_gather)
+
+    def _gather_flags(self, crossings, setup: dict, cluster, dst_gather: bool | None) -> list[bool]:
+        """Per crossing: use Alpa's local all-gather in the destination mesh? (cost model decides)."""
+        if dst_gather is not None:
+            return [dst_gather] * len(crossings)
+        from .comm import mesh_placement, prefer_dst_gather
+
+        meshes = [mesh_placement(r, sh) for r, sh in zip(setup["ranks"], setup["shapes"])]
+        flags = []
+        for c in crossings:
+            specs = setup["shardings"]
+            src = specs[c.src]["value_specs"].get(c.value, "RR").replace("P", "R")
+            dst = specs[c.dst]["value_specs"].get(c.value, "RR")
+            shape, _ = setup["value_meta"][c.value]
+            cross_beta, local_beta = 1.0, 1.0
+            if cluster is not None:
+                cross_beta = cluster.link_between(self.stages[c.src].ranks, self.stages[c.dst].ranks).beta_s_per_byte
+                local_beta = cluster.intra_host_link.beta_s_per_byte
+            flags.append(prefer_dst_gather(shape, src, meshes[c.src], dst, meshes[c.dst], 4, cross_beta, local_beta))
+        return flags
+
+    # ------------------------------------------------------------------ state
     def load_state(self, values: dict[str, np.ndarray]) -> None:
-        self.group.call_all(_load, values)
-
-    def step(self, batch: dict[str, np.ndarray], scalars: dict[str, float]) -> float:
-        batch = with_loss_norms(self.graph, batch, 1)
-        try:
-            losses = self.group.call_all(_step, batch, scalars, timeout_s=self.step_timeout_s)
-        except WorkerError as exc:
-            raise stage_failure(exc, [tuple(range(self.group.world_size))]) from exc
-        return total_loss(losses)
+        """Full values of the state (wire arrays); each device keeps its stage's shards."""
+        if self.sources is None:
+            self.group.call_all(_load, values)
+            return
+        per_rank = [({k: v for k, v in values.items() if k in self.sources[self.stage_of_rank[r]]},)
+                    for r in range(self.group.world_size)]
+        self.group.call_all(_load, per_rank_args=per_rank)
 
     def gather_state(self) -> dict[str, np.ndarray]:
-        return self.group.call_all(_gather)[0]
+        """Full values of every stage's state (wire arrays), gathered in each stage's first device."""
+        results = self.group.call_all(_gather)
+        out = {}
+        for st in self.stages:
+            out.update(results[st.ranks[0]])
+        return out
 
     def save_shards(self, directory: str) -> list[dict | None]:
-        """Every device writes its tiles of the state into ``directory`` (``checkpoint.save_runner``)."""
+        """Every device writes its stage's tiles of the state into ``directory`` (``checkpoint.save_runner``)."""
         try:
             return self.group.call_all(_save, directory)
         except WorkerError as exc:
-            raise stage_failure(exc, [tuple(range(self.group.world_size))]) from exc
+            raise stage_failure(exc, [st.ranks for st in self.stages]) from exc
+
+    # ------------------------------------------------------------------ steps
+    def split(self, batch: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        """The microbatches: leaves with the batch dimension cut along dim 0, the others (0-dim, or
+        shared by every sample) whole in each (``alpa_torch.core.microbatches``)."""
+        m, names = self.num_microbatches, list(batch)
+        if m == 1:
+            return [batch]
+        shapes = [tuple(batch[k].shape) for k in names]
+        check_divisible(shapes, names, m)
+        cut = dict(zip(names, split_flags(shapes)))
+        return [{k: np.ascontiguousarray(np.split(v, m)[i]) if cut[k] else v for k, v in batch.items()}
+                for i in range(m)]
+
+    def step(self, batch: dict[str, np.ndarray], scalars: dict[str, float]) -> float:
+        """One training step on the batch (wire arrays); its loss."""
+        microbatches = self.split(with_loss_norms(self.graph, batch, self.num_microbatches))
+        try:
+            results = self.group.call_all(_step, microbatches, scalars, timeout_s=self.step_timeout_s)
+        except WorkerError as exc:
+            raise stage_failure(exc, [st.ranks for st in self.stages]) from exc
+        if not self.pipelined:
+            return total_loss(results)
+        return float(results[self.stages[self.loss_stage].ranks[0]])
 
 
 def with_loss_norms(graph, batch: dict, num_microbatches: int) -> dict:
@@ -152,29 +284,19 @@ def with_loss_norms(graph, batch: dict, num_microbatches: int) -> dict:
     return {**batch, **to_wire_dict(norms)}
 
 
-def _mark_rank(state: dict, rank: int) -> bool:
-    state["rank"] = rank
-    return True
-
-
-_DIED = re.compile(r"died: \[([\d, ]*)\]")
-_FAILED = re.compile(r"device rank\(s\) \[([\d, ]*)\]")
-
-
 def stage_failure(exc: WorkerError, stage_ranks: list[tuple[int, ...]]) -> WorkerError:
-    """``exc`` (from ``WorkerGroup``, which names ranks) with the stage of each failed rank named first.
-
-    The ranks are read from the group's message: the dead ones if any died, else every
-    rank that failed or timed out."""
-    text = str(exc)
-    died, failed = _DIED.search(text), _FAILED.search(text)
-    ranks = [int(r) for r in died.group(1).replace(",", " ").split()] if died else []
-    if not ranks and failed:
-        ranks = [int(r) for r in failed.group(1).replace(",", " ").split()]
+    """``exc`` with the stage of each failed rank named first (the ranks that died, if any died,
+    else every rank that failed or timed out: ``WorkerError.failed_ranks``)."""
     parts = []
-    for rank in ranks:
+    for rank in exc.failed_ranks:
         stage = next((k for k, rs in enumerate(stage_ranks) if rank in rs), None)
         if stage is not None:
             parts.append(f"device {rank} of stage {stage} (stage devices {list(stage_ranks[stage])})")
     where = "; ".join(parts) or f"a device of stage(s) {list(range(len(stage_ranks)))}"
-    return WorkerError(f"{where} failed: {text}")
+    stages = tuple(sorted({k for k, rs in enumerate(stage_ranks) for r in exc.failed_ranks if r in rs}))
+    return WorkerError(f"{where} failed: {exc}", failures=exc.failures, stages=stages)
+
+
+def _sharding_strings(sharding: StageSharding) -> dict:
+    d = sharding.to_dict()
+    return {"value_specs": d["value_specs"], "input_specs": d["input_specs"]}

@@ -31,7 +31,7 @@ executes them in buckets (``GradBuckets``):
   ``DTensor`` view of the reduced buffer, with ``R`` on the reduced axes, or
   ``S(d)`` there when the plan's value spec of the gradient says so (the local
   chunk of the all-reduced value: on gloo an all-reduce is 3-4x faster per
-  byte than a reduce-scatter, FINDINGS.md).
+  byte than a reduce-scatter, docs/design.md).
 
 Equivalence: the result is the same sum of partials, in fp32; only the order
 in which the collective adds the devices' summands may differ from the

@@ -28,8 +28,8 @@ from ray import cloudpickle
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from alpa_torch.cluster import Cluster
-from alpa_torch.errors import WorkerError
+from alpa_torch.core.cluster import Cluster
+from alpa_torch.core.errors import WorkerError, WorkerFailure
 from runtime.ray_env import ResourcePlan, alive_nodes, ensure_ray, plan_resources, stop_ray
 from runtime.worker import RemoteDeviceWorker, actor_env
 
@@ -203,7 +203,9 @@ class WorkerGroup:
                     f"{what}: device rank(s) {late} (host(s) {sorted({self.host_of(r) for r in late})}) did not "
                     f"answer within {timeout_s:g} s; done: {sorted(results)}. The group is shut down, since a "
                     "rank stuck in a collective cannot be interrupted. Fix: raise timeout_s, or look for a "
-                    "rank that deadlocked (mismatched collectives) or is far slower.")
+                    "rank that deadlocked (mismatched collectives) or is far slower.",
+                    failures=tuple(self._worker_failure(r, False, f"no answer within {timeout_s:g} s")
+                                   for r in late))
             rank = pending.pop(ready[0])
             try:
                 results[rank] = ray.get(ready[0], timeout=0)
@@ -228,19 +230,28 @@ class WorkerGroup:
         """One ``WorkerError`` for all failed ranks, dead ranks first (they are the cause)."""
         died = sorted(r for r, e in failures.items() if isinstance(e, ray.exceptions.RayActorError))
         raised = sorted(r for r in failures if r not in died)
-        lines = []
+        lines, records = [], []
         for rank in died + raised:
             exc, where = failures[rank], f"device rank {rank} (host {self.host_of(rank)}{self._pid_text(rank)})"
             if rank in died:
-                lines.append(f"{where} died: {_first_lines(exc, 20)}")  # a failed __init__ puts its traceback here
+                text = _first_lines(exc, 20)  # a failed __init__ puts its traceback here
+                lines.append(f"{where} died: {text}")
             elif isinstance(exc, ray.exceptions.RayTaskError):
-                lines.append(f"{where} raised {type(exc.cause).__name__}: {exc.cause}\nWorker traceback:\n{exc}")
+                text = f"{type(exc.cause).__name__}: {exc.cause}\nWorker traceback:\n{exc}"
+                lines.append(f"{where} raised {text}")
             else:
-                lines.append(f"{where} failed: {_first_lines(exc)}")
+                text = _first_lines(exc)
+                lines.append(f"{where} failed: {text}")
+            records.append(self._worker_failure(rank, rank in died, text))
         fix = ("Fix: check the dead worker's log (out of memory? killed?) and start a new group." if died else
                "Fix: correct the error in the callable; start a new group.")
         head = f"{what} failed on device rank(s) {died + raised} (died: {died}, raised: {raised}); group shut down."
-        return WorkerError("\n".join([head, *lines, fix]))
+        return WorkerError("\n".join([head, *lines, fix]), failures=tuple(records))
+
+    def _worker_failure(self, rank: int, died: bool, error: str) -> WorkerFailure:
+        info = self.infos[rank] if rank < len(self.infos) else None
+        return WorkerFailure(rank=rank, host=self.host_of(rank), pid=info.pid if info else None,
+                             hostname=info.hostname if info else None, died=died, error=error)
 
     def _pid_text(self, rank: int) -> str:
         return f", pid {self.infos[rank].pid} on {self.infos[rank].hostname}" if rank < len(self.infos) else ""

@@ -51,9 +51,10 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from intra_ilp.spec import ShardingSpec
-from intra_ilp.strategies import to_dtensor_placements
+from alpa_torch.core.grad_op import GRAD_MARKER_NAME
+from alpa_torch.core.spec import ShardingSpec, to_dtensor_placements
 
+from .devices import mesh_device
 from .donation import INPLACE, donating, find_donations
 from .grad_buckets import (
     BUCKET_CAP_BYTES,
@@ -71,11 +72,15 @@ from .rng import RandomStream, is_random
 from .wire import Bits, from_wire
 
 log = logging.getLogger(__name__)
-GRAD_MARKER_NAME = "alpa.grad.default"
-REPLAY = os.environ.get("ALPA_TORCH_REPLAY", "1") != "0"
-"""``ALPA_TORCH_REPLAY=0``: every step runs every operator through DTensor (no replay)."""
-DONATE = os.environ.get("ALPA_TORCH_DONATE", "1") != "0"
+REPLAY_ENV = "ALPA_TORCH_REPLAY"
+"""``ALPA_TORCH_REPLAY=0`` in a worker's environment: every step runs every operator through DTensor."""
+DONATE_ENV = "ALPA_TORCH_DONATE"
 """``ALPA_TORCH_DONATE=0``: no operator runs in place on a dead input (``donation.py``)."""
+
+
+def _switch(name: str) -> bool:
+    """A debugging switch of the workers' environment, on unless set to 0; read when a runner is made."""
+    return os.environ.get(name, "1") != "0"
 FULL_BATCH = "full batch"
 """``env[(FULL_BATCH, node)]``: the whole batch leaf ``node`` as it arrived (every device receives
 all of it), where the plan shards it: a redistribution of it to replicated is a lookup."""
@@ -137,6 +142,8 @@ class StageRunner:
     def __init__(self, records: list[tuple], value_specs: dict[str, str], input_specs: dict[str, list[str]],
                  io: dict, mesh: DeviceMesh, bucket_cap_bytes: int = BUCKET_CAP_BYTES, seed: int = 0):
         self.mesh = mesh
+        self.device = mesh_device(mesh)
+        """Where this device's tensors live: the mesh's device type (``cuda``: the worker's GPU)."""
         self.local = mesh.size() == 1
         """One device: plain tensors, no DTensor (every placement is trivially satisfied)."""
         self.rep = (Replicate(),) * self.mesh.ndim
@@ -162,7 +169,7 @@ class StageRunner:
         """A 2-D mesh of every rank: values partial / sharded over both axes become replicated in one
         collective over the default group, not one per axis (``grad_buckets.replicate_over_world``)."""
         self._constants: dict[str, Any] = {}
-        self.replay_enabled = REPLAY
+        self.replay_enabled = _switch(REPLAY_ENV)
         """Whether the first step learns a replay on local tensors (``replay.py``)."""
         self.replaying = False
         """After the first step: operators replayed on local tensors."""
@@ -171,7 +178,7 @@ class StageRunner:
         """Name -> ``env -> value`` of each replayed operator, built at its first replay."""
         self.meta: dict[str, Any] = {}
         """Name -> ``ValueMeta`` of every value seen while learning."""
-        self.donate_enabled = DONATE
+        self.donate_enabled = _switch(DONATE_ENV)
         """Whether operators may run in place on dead inputs (``donation.py``); set before the first step."""
         self._owned: set[str] = set()
         """State nodes whose tensors this runner owns outright (state memory a step may donate)."""
@@ -208,8 +215,10 @@ class StageRunner:
         return tuple(c if p.is_shard() else 0 for c, p in zip(coords, self.value_specs.get(name, self.rep)))
 
     # ---------------------------------------------------------------- state
-    def _distribute(self, node: str, value: np.ndarray | Bits | torch.Tensor) -> DTensor | torch.Tensor:
-        t = value if isinstance(value, torch.Tensor) else from_wire(value)
+    def distribute(self, node: str, value: np.ndarray | Bits | torch.Tensor) -> DTensor | torch.Tensor:
+        """The full value of graph value ``node`` (a wire array or a tensor) as this device holds it:
+        a DTensor placed as the plan stores it (a plain tensor on one device)."""
+        t = (value if isinstance(value, torch.Tensor) else from_wire(value)).to(self.device)
         if self.local:
             return t
         placements = self.value_specs.get(node, self.rep)
@@ -221,7 +230,7 @@ class StageRunner:
         Values not in ``values`` (state of other stages) are skipped."""
         for kind, name, node in self.inputs:
             if kind in ("param", "buffer", "opt_state") and name in values:
-                value = self._distribute(node, values[name])
+                value = self.distribute(node, values[name])
                 self._state[name] = value.to_local() if self.replaying else value
                 self._foreign.add(name)
                 self._owned.discard(node)
@@ -248,7 +257,7 @@ class StageRunner:
         if self._local_as_wanted(node, value, want):
             self._state[name] = value
             return
-        value = self._place(self.as_dtensor(node, value), want)
+        value = self.place(self.as_dtensor(node, value), want)
         self._state[name] = value.to_local() if self.replaying else value
 
     def _local_as_wanted(self, node: str, value, want: tuple) -> bool:
@@ -287,9 +296,9 @@ class StageRunner:
     def put_batch(self, env: dict, node: str, value: np.ndarray) -> None:
         """Batch leaf ``node`` into ``env``, placed as the plan says; where that shards it, the
         whole leaf too (``FULL_BATCH``)."""
-        env[node] = self._distribute(node, value)
+        env[node] = self.distribute(node, value)
         if not self.local and any(not p.is_replicate() for p in self.value_specs.get(node, self.rep)):
-            env[(FULL_BATCH, node)] = from_wire(value)
+            env[(FULL_BATCH, node)] = from_wire(value).to(self.device)
 
     def step(self, batch: dict[str, np.ndarray], scalars: dict[str, float]) -> float | LossPart:
         """One training step; its loss (``LossPart`` where the plan leaves it partial: ``total_loss``)."""
@@ -299,7 +308,7 @@ class StageRunner:
             if kind == "batch":
                 self.put_batch(env, node, batch[name])
             elif kind == "host_scalar":
-                env[node] = self._distribute(node, torch.tensor(scalars[name], dtype=torch.float64))
+                env[node] = self.distribute(node, torch.tensor(scalars[name], dtype=torch.float64))
             else:
                 env[node] = self._state[name]
         self.enter(env)
@@ -337,7 +346,7 @@ class StageRunner:
             divisor = math.prod(self.mesh.size(a) for a, p in enumerate(placements)
                                 if p.is_partial() and p.reduce_op == "avg")
             return LossPart(float(loss.to_local()), counted, divisor)
-        return float(self._place(loss, self.rep).to_local())
+        return float(self.place(loss, self.rep).to_local())
 
     def enter(self, env: dict[str, Any]) -> None:
         """Values the caller put in ``env``: noted while learning, local tensors when replaying."""
@@ -385,11 +394,14 @@ class StageRunner:
             return wrap(value, self.meta[name], self.mesh)
         return value
 
-    def _place(self, value, placements):
+    def place(self, value, placements):
+        """``value`` redistributed to ``placements`` on this runner's mesh, by the path the cost model
+        priced (one collective over a whole-cluster mesh where that applies, ``shard_to_shard``'s
+        all-to-all, else DTensor's); a value turning partial is left to DTensor's dispatcher."""
         if self.local:
             return value.to_local() if isinstance(value, DTensor) else value
         if not isinstance(value, DTensor):
-            value = DTensor.from_local(torch.as_tensor(value), self.mesh, self.rep, run_check=False)
+            value = DTensor.from_local(torch.as_tensor(value).to(self.device), self.mesh, self.rep, run_check=False)
         if value.placements != placements:
             if any(p.is_partial() and p != q for p, q in zip(placements, value.placements)):
                 # Turning a value into a partial sum is DTensor-internal: its
@@ -432,7 +444,7 @@ class StageRunner:
             elif kind == MARKER:
                 self._marker(st.name, st.inputs[0], env, on_grad)
             elif kind == GET_ATTR:
-                env[st.name] = self._constant(st)
+                env[st.name] = self.constant(st)
             elif kind == OUTPUT:  # local tensors when replaying: ``as_dtensor`` / ``store`` wrap them
                 return [env[a] if isinstance(a, Ref) else a for a in st.target]
             if learning and kind != MARKER and st.name in env:
@@ -440,10 +452,6 @@ class StageRunner:
             for name in st.free:
                 env.pop(name, None)
         return None
-
-    def run_records(self, records: list[tuple], env: dict[str, Any]) -> list | None:
-        """Run uncompiled ``records`` once (compiles them first; ``run`` is the fast path)."""
-        return self.run(self.compile(records, collect=True), env)
 
     def _marker(self, name: str, src: str, env: dict, on_grad) -> None:
         value = env[src]
@@ -468,12 +476,13 @@ class StageRunner:
                     self.meta[name] = meta_of(value)
                 env[name] = value
 
-    def _constant(self, st):
+    def constant(self, st):
+        """A graph constant (``get_attr`` step), replicated on this mesh once and kept."""
         if self.local or self.replaying:
             return st.target
         value = self._constants.get(st.name)
         if value is None:
-            value = self._constants[st.name] = self._place(st.target, self.rep)
+            value = self._constants[st.name] = self.place(st.target, self.rep)
         return value
 
     # ---------------------------------------------------------------- one operator
@@ -501,7 +510,7 @@ class StageRunner:
                 if full is not None:  # the batch leaf, as it arrived: no all-gather
                     placed = DTensor.from_local(full, self.mesh, self.rep, run_check=False)
                 else:
-                    placed = v if isinstance(v, DTensor) and v.placements == want else self._place(v, want)
+                    placed = v if isinstance(v, DTensor) and v.placements == want else self.place(v, want)
                 if with_metas:
                     metas.append(InputMeta(meta_of(v), meta_of(placed) if placed is not v else None))
                 v = placed
@@ -558,7 +567,7 @@ class StageRunner:
                 axis, shard = split[0]
                 return shard._replicate_to_shard(local, self.mesh, axis, self.mesh.get_local_rank(axis))
         value = local if have is None else wrap(local, have, self.mesh)
-        return self._place(value, placements).to_local()
+        return self.place(value, placements).to_local()
 
     def _call_dtensor(self, st, resolved: tuple[tuple, dict]):
         args, kwargs = resolved

@@ -27,8 +27,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from intra_ilp.spec import ShardingSpec
-from intra_ilp.strategies import to_dtensor_placements
+from alpa_torch.core.spec import ShardingSpec, to_dtensor_placements
 
 from . import comm
 from .interpreter import StageRunner
@@ -46,7 +45,7 @@ class PipelineRunner:
                  gather: list[bool] | None = None, combine: str = "mean"):
         self.runner = runner
         self.combine = combine
-        """How microbatches add up to the batch (``alpa_torch.coupling.loss_combine``): 'mean' or 'sum'."""
+        """How microbatches add up to the batch (``stage_dp.coupling.loss_combine``): 'mean' or 'sum'."""
         self.stage = stage
         self.crossings = list(enumerate(crossings))
         self.meshes = meshes  # MeshPlacement of every stage
@@ -108,7 +107,7 @@ class PipelineRunner:
         for i, c in self.crossings:
             if c.src == self.stage and c.produced == phase:
                 r = self.runner
-                value = r._place(r.as_dtensor(c.value, env[c.value]), self._send_placements[c.value])
+                value = r.place(r.as_dtensor(c.value, env[c.value]), self._send_placements[c.value])
                 works += comm.send(value, self._dst_spec(c), self.meshes[c.src], self.meshes[c.dst],
                                    comm.make_tag(i, mb), self.gather[i])
         return works
@@ -119,14 +118,14 @@ class PipelineRunner:
         env: dict[str, Any] = {}
         for kind, name, node in r.inputs:
             if kind == "host_scalar":
-                env[node] = r._distribute(node, torch.tensor(scalars[name], dtype=torch.float64))
+                env[node] = r.distribute(node, torch.tensor(scalars[name], dtype=torch.float64))
             elif kind == "batch":
                 if batch is not None and name in batch:
                     r.put_batch(env, node, batch[name])
             elif r.has_state(name):
                 env[node] = r.state_value(name)
         for st in self._constant_steps():
-            env[st.name] = r._constant(st)
+            env[st.name] = r.constant(st)
         r.enter(env)
         return env
 

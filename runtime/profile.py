@@ -71,7 +71,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from alpa_torch.cluster import COLLECTIVES, Cluster, LinkSpec
+from alpa_torch.core.cluster import COLLECTIVES, Cluster, LinkSpec
 
 from .profile_fit import ProfileError, fit_alpha_beta, regressor_bytes
 

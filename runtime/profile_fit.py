@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from alpa_torch.errors import AlpaTorchError
+from alpa_torch.core.errors import AlpaTorchError
 
 
 class ProfileError(AlpaTorchError, RuntimeError):

@@ -6,7 +6,7 @@ cluster *before* any actor starts (``plan_resources``), and the Ray resources
 each device's actor and placement-group bundle asks for (``ResourcePlan``).
 It does not start actors or process groups (``runtime/group.py`` does).
 
-Inputs: an ``alpa_torch.cluster.Cluster`` and optionally a Ray address (the
+Inputs: an ``alpa_torch.core.cluster.Cluster`` and optionally a Ray address (the
 argument, else ``RAY_ADDRESS``). Without one, a private local Ray is started with
 ``address="local"``: never someone else's Ray on this machine (plain
 ``ray.init()`` would join the last cluster named in /tmp/ray). It is asked for
@@ -33,8 +33,8 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from alpa_torch.cluster import Cluster
-from alpa_torch.errors import ClusterSpecError
+from alpa_torch.core.cluster import Cluster
+from alpa_torch.core.errors import ClusterSpecError
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ def plan_resources(cluster: Cluster, nodes: list[Mapping[str, Any]]) -> Resource
         raise ClusterSpecError(
             f"the cluster needs {cluster.num_hosts} Ray node(s) with >= {need} {kind} each "
             f"({cluster.num_hosts}x{m} devices), but the Ray cluster has {len(fitting)} such node(s) "
-            f"(alive nodes' {kind} counts: {have}). Fix: add nodes, or plan for Cluster.from_ray().")
+            f"(alive nodes' {kind} counts: {have}). Fix: add nodes, or plan for alpa_torch.cluster_from_ray().")
     # The num_hosts best-equipped nodes are the ones STRICT_SPREAD can use.
     node_cpus = sorted((count(n, "CPU") for n in fitting), reverse=True)[cluster.num_hosts - 1]
     cpus = _device_cpus(cluster, node_cpus, m, f"each of {cluster.num_hosts} Ray node(s)")

@@ -47,6 +47,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
+from .devices import mesh_device
 from .program import Slot
 
 log = logging.getLogger(__name__)
@@ -259,7 +260,7 @@ def bitwise_equal(a, b) -> bool:
 def agree(flags: dict[str, bool], mesh) -> dict[str, bool]:
     """AND of every device's ``flags`` over the mesh (same keys everywhere)."""
     names = sorted(flags)
-    t = torch.tensor([1 if flags[n] else 0 for n in names], dtype=torch.int32)
+    t = torch.tensor([1 if flags[n] else 0 for n in names], dtype=torch.int32, device=mesh_device(mesh))
     for axis in range(mesh.ndim):
         if mesh.size(axis) > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=mesh.get_group(axis))

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from intra_ilp.spec import ShardingSpec, chunk_bounds
+from alpa_torch.core.spec import ShardingSpec, chunk_bounds
 
 
 @dataclass(frozen=True, slots=True)

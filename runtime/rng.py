@@ -26,7 +26,7 @@ import hashlib
 
 import torch
 
-from alpa_torch.remat import COPY_SUFFIX
+from alpa_torch.core.remat import COPY_SUFFIX
 
 RANDOM_TAG = torch.Tag.nondeterministic_seeded
 

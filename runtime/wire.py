@@ -1,6 +1,6 @@
 """Tensors across Ray: numpy arrays, with the dtypes numpy has no type for carried as raw bits.
 
-Arrays cross Ray zero-copy as numpy (FINDINGS.md: a 16 MiB tensor pickles in 68 ms, the
+Arrays cross Ray zero-copy as numpy (docs/design.md: a 16 MiB tensor pickles in 68 ms, the
 numpy array is read in 12 ms), but numpy has no bfloat16, float8 or complex32: a tensor
 of such a dtype travels as a ``Bits`` record (its bytes as a uint8 array, its dtype and
 shape) and comes back as the same tensor, bit for bit. ``to_wire`` / ``from_wire`` are

@@ -9,7 +9,7 @@ compiled stage, parameters, optimizer state) there once and calls into it on
 later calls. It does not decide what runs where (``runtime/group.py`` starts
 the workers; the compiler and executor build what they run).
 
-Arrays cross Ray as numpy (FINDINGS.md: a 16 MiB tensor pickles in 68 ms, the
+Arrays cross Ray as numpy (docs/design.md: a 16 MiB tensor pickles in 68 ms, the
 numpy array is read zero-copy in 12 ms): ``run`` turns torch tensors in a
 result into numpy arrays; callables rebuild tensors with ``torch.from_numpy``.
 
@@ -55,7 +55,7 @@ class DeviceWorker:
     """One device: a torch.distributed rank and a persistent ``state`` dict for the driver's program."""
 
     def __init__(self, rank: int, host_index: int, threads: int, use_gpu: bool = False) -> None:
-        # One intra-op pool per virtual device: spinning OpenMP pools oversubscribe (FINDINGS.md).
+        # One intra-op pool per virtual device: spinning OpenMP pools oversubscribe (docs/design.md).
         torch.set_num_threads(threads)
         device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")  # Ray shows each actor its one GPU
         if use_gpu:
@@ -126,6 +126,6 @@ def actor_env(threads: int, oversubscribed: bool) -> dict[str, str]:
     """Environment of a worker process: thread pools sized before torch loads."""
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     if oversubscribed:
-        env["OMP_WAIT_POLICY"] = "PASSIVE"  # spinning pools on shared cores ran 2-4x slower (FINDINGS.md)
+        env["OMP_WAIT_POLICY"] = "PASSIVE"  # spinning pools on shared cores ran 2-4x slower (docs/design.md)
     return env
 

@@ -10,7 +10,7 @@ No torch, no torch.distributed, no Ray.
 
 from .brute_force import brute_force_cluster_layers, brute_force_stage_dp
 from .dp import NoFeasiblePlanError, StageDPResult, solve_stage_dp
-from .kernels import NO_NUMBA_ENV, USE_NUMBA_DEFAULT
+from .kernels import NO_NUMBA_ENV, numba_default
 from .layering import LayerClustering, cluster_layers, cluster_layers_detailed
 
 __all__ = [
@@ -18,7 +18,7 @@ __all__ = [
     "NO_NUMBA_ENV",
     "NoFeasiblePlanError",
     "StageDPResult",
-    "USE_NUMBA_DEFAULT",
+    "numba_default",
     "brute_force_cluster_layers",
     "brute_force_stage_dp",
     "cluster_layers",

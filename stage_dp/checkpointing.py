@@ -1,6 +1,6 @@
 """Activation checkpointing in the plan: which layers of a stage recompute their forward.
 
-The graph rewrite is ``alpa_torch.remat`` (a recomputed layer keeps only what its
+The graph rewrite is ``alpa_torch.core.remat`` (a recomputed layer keeps only what its
 forward reads from outside it: the previous layer's output; its backward runs a
 copy of its forward first). This module prices that and chooses it.
 
@@ -32,7 +32,6 @@ of bytes: plan as ``'auto'`` with that per-device budget for the stages.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,9 +39,8 @@ import pyomo.environ as pe
 from pyomo.contrib.solver.common.results import TerminationCondition
 from pyomo.contrib.solver.solvers.highs import Highs
 
-from alpa_torch.errors import PlanError
-
-MODES = ("auto", "none", "full")
+from alpa_torch.core.errors import PlanError
+from alpa_torch.core.options import checkpointing_budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +56,7 @@ class Checkpointing:
     def parse(option) -> Checkpointing:
         if isinstance(option, Checkpointing):
             return option
-        if isinstance(option, str) and option in MODES:
-            return Checkpointing(option)
-        if isinstance(option, (int, float)) and not isinstance(option, bool) and option > 0 and math.isfinite(option):
-            return Checkpointing("auto", float(option))
-        raise PlanError(f"checkpointing={option!r} is not understood: use 'auto', 'none', 'full' or a positive "
-                        "number of bytes per device (the memory the stages must fit in)")
+        return Checkpointing(*checkpointing_budget(option))
 
     @property
     def twins(self) -> bool:

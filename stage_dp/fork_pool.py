@@ -29,7 +29,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 
-from alpa_torch.errors import AlpaTorchError, PlannerError
+from alpa_torch.core.errors import AlpaTorchError, PlannerError
 
 logger = logging.getLogger(__name__)
 

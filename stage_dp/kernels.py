@@ -8,7 +8,7 @@ versions or the very same functions run by the interpreter (the "twins").
 The tests run both on random inputs and require identical results, and the
 callers check both against brute force (``brute_force.py``).
 
-The one switch: ``use_numba`` arguments default to ``USE_NUMBA_DEFAULT``,
+The one switch: ``use_numba`` arguments default to ``numba_default()``,
 which is False when the environment variable ``ALPA_TORCH_NO_NUMBA`` is set
 to anything but ``""``/``"0"``/``"false"``/``"no"`` when this module is imported.
 
@@ -41,13 +41,19 @@ import types
 import numpy as np
 
 NO_NUMBA_ENV = "ALPA_TORCH_NO_NUMBA"
-USE_NUMBA_DEFAULT: bool = os.environ.get(NO_NUMBA_ENV, "").strip().lower() in ("", "0", "false", "no")
+
+
+def numba_default() -> bool:
+    """Whether kernels run compiled by default: unless ``ALPA_TORCH_NO_NUMBA`` is set (read at each call)."""
+    return os.environ.get(NO_NUMBA_ENV, "").strip().lower() in ("", "0", "false", "no")
+
+
 INT_INF = np.iinfo(np.int64).max // 4  # "infinite" bytes; sums of a few stay < int64 max
 
 
 def resolve_use_numba(use_numba: bool | None) -> bool:
     """``use_numba`` if given, else the module default (env ``ALPA_TORCH_NO_NUMBA``)."""
-    return USE_NUMBA_DEFAULT if use_numba is None else bool(use_numba)
+    return numba_default() if use_numba is None else bool(use_numba)
 
 
 # ----------------------------------------------------------------------------- stage DP

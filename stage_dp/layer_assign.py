@@ -1,7 +1,7 @@
 """Give every node of a captured training step a layer (Alpa OSDI'22 §5.2).
 
 Owns: ``assign_layers(graph) -> LayerAssignment``, the map from each node of an
-``OpGraph`` (``alpa_torch.graph``) to one of L layers, and the facts about the
+``OpGraph`` (``alpa_torch.core.graph``) to one of L layers, and the facts about the
 layers the stage search reads (FLOPs, bytes crossing each cut). Does not own
 the clustering DP itself (``layering.cluster_layers``, exact, numba) nor what
 layers become (``search.py`` slices them into pipeline stages).
@@ -83,10 +83,6 @@ class LayerAssignment:
         bad = {k: v for k, v in self.layer_of.items() if not 0 <= v < self.num_layers}
         if bad:
             raise ValueError(f"layers out of [0, {self.num_layers}): {dict(list(bad.items())[:5])}")
-
-    def nodes_in(self, start: int, end: int) -> list[str]:
-        """Names of nodes with start <= layer <= end (placeholders included), graph order."""
-        return [n for n, l in self.layer_of.items() if start <= l <= end]
 
     def to_dict(self) -> dict:
         return {"num_layers": self.num_layers, "layer_of": dict(self.layer_of),

@@ -48,10 +48,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from alpa_torch.core.grad_op import GRAD_MARKER_NAME
+from alpa_torch.core.partition import partition, stage_of_nodes
+from alpa_torch.core.schedule import compute_order
+from alpa_torch.core.spec import ShardingSpec
 from intra_ilp import cost_model as cm
-from intra_ilp.spec import ShardingSpec
 
-GRAD_MARKER_NAME = "alpa.grad.default"
 _INF = math.inf
 
 
@@ -266,7 +268,7 @@ def simulate_stage(graph, sharding, *, forward=None, backward=None, update=None,
     """The simulated peak per device of one stage (module docstring).
 
     ``forward`` / ``backward`` / ``update``: the stage's operators per phase in graph order
-    (``runtime.partition``; default: every node of ``graph`` by its phase). ``order``: the
+    (``alpa_torch.core.partition``; default: every node of ``graph`` by its phase). ``order``: the
     stage's compute order [('F' | 'B', microbatch)] (default: one forward, one backward).
     ``received`` / ``sent``: {'forward' | 'backward': values received before / sent after
     that phase}. ``engine``: run as one program (``runtime/engine.py``; default when there
@@ -351,20 +353,17 @@ def simulate_stage(graph, sharding, *, forward=None, backward=None, update=None,
 def plan_memory(graph, layer_of: dict[str, int], stage_ranges, shardings, *, num_microbatches: int,
                 schedule: str = "1f1b") -> list[MemoryEstimate]:
     """``simulate_stage`` for every stage of a plan: layers ``stage_ranges[k]`` (inclusive) on
-    ``shardings[k]``, partitioned as the runtime does (``runtime.partition``), each stage in
+    ``shardings[k]``, partitioned as the runtime does (``alpa_torch.core.partition``), each stage in
     its schedule's compute order."""
-    from runtime.partition import partition, stage_of_nodes  # noqa: PLC0415 (pure bookkeeping)
-    from runtime.schedule import gpipe, one_f_one_b  # noqa: PLC0415
-
     ranges = [tuple(r) for r in stage_ranges]
     k_total, b = len(ranges), num_microbatches
     stage_of = stage_of_nodes(graph, layer_of, ranges)
     programs, crossings = partition(graph, stage_of, k_total)
     engine = k_total == 1 and b == 1
-    sched = (gpipe if schedule == "gpipe" else one_f_one_b)(k_total, b)
+    orders = compute_order(schedule, k_total, b)
     out = []
     for k, prog in enumerate(programs):
-        order = [(ins.kind.value, ins.microbatch) for ins in sched[k] if ins.kind.value in ("F", "B")]
+        order = orders[k]
         received = {ph: [c.value for c in crossings if c.dst == k and c.consumed == ph]
                     for ph in ("forward", "backward")}
         sent = {ph: [c.value for c in crossings if c.src == k and c.produced == ph] for ph in ("forward", "backward")}
@@ -378,12 +377,12 @@ def with_simulated_memory(graph, layer_of: dict[str, int], stages, *, num_microb
                           schedule: str = "1f1b") -> tuple:
     """``StagePlan``s with ``memory_bytes`` = the simulated peak (``plan_memory``) of the
     programs the runtime runs: with activation checkpointing, those of the rewritten graph
-    (``alpa_torch.remat``: copies sharded as their originals). Every stage keeps the stage
+    (``alpa_torch.core.remat``: copies sharded as their originals). Every stage keeps the stage
     DP's figure if the simulation cannot partition the plan (then a warning says why)."""
     import dataclasses  # noqa: PLC0415
     import logging  # noqa: PLC0415
 
-    from alpa_torch.remat import extend_layer_of, extend_sharding, rematerialize  # noqa: PLC0415
+    from alpa_torch.core.remat import extend_layer_of, extend_sharding, rematerialize  # noqa: PLC0415
 
     try:
         graph, copies = rematerialize(graph, layer_of, [l for s in stages for l in s.recompute_layers])

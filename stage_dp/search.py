@@ -60,8 +60,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from alpa_torch.errors import BatchSplitError, InfeasibleMemoryError, PlanError
-from alpa_torch.plan import SCHEDULES, ParallelPlan, StagePlan, graph_fingerprint, tile_submeshes
+from alpa_torch.core.cluster import Cluster, GiB
+from alpa_torch.core.errors import BatchSplitError, InfeasibleMemoryError, PlanError
+from alpa_torch.core.graph import OpGraph
+from alpa_torch.core.options import PlanOptions
+from alpa_torch.core.plan import ParallelPlan, StagePlan, graph_fingerprint, tile_submeshes
 
 from .checkpointing import Checkpointing, choose_layers, saved_and_peak
 from .dp import NoFeasiblePlanError, StageDPResult, solve_stage_dp
@@ -70,7 +73,6 @@ from .memory_sim import with_simulated_memory
 from .stage_costs import MeshConfig, StageCostModel, batch_size
 
 logger = logging.getLogger(__name__)
-_GiB = 2.0**30
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -205,25 +207,23 @@ def step_time(tables: StageTables, stages) -> float:
 
 
 # ------------------------------------------------------------------ plan()
-def plan(graph, cluster, *, num_microbatches: int | None = None, num_layers: int | None = None,
-         num_stages: int | None = None, submesh: tuple[int, int] | None = None, pipeline: bool = True,
-         sharding: bool = True, memory_budget_bytes: float | None = None, schedule: str = "1f1b",
+def plan(graph: OpGraph, cluster: Cluster, options: PlanOptions | None = None, *,
          progress: Callable[[str], None] | None = None, layers: LayerAssignment | None = None,
-         logical_shapes: str = "alpa", cost_model: StageCostModel | None = None,
-         checkpointing="auto") -> ParallelPlan:
-    """The best plan found for ``graph`` on ``cluster`` (module docstring).
+         cost_model: StageCostModel | None = None, **option_fields) -> ParallelPlan:
+    """The best plan found for ``graph`` on ``cluster`` under ``options`` (module docstring);
+    ``options`` may also be given as ``PlanOptions``'s fields (``plan(g, c, num_stages=2)``).
 
-    ``layers`` (a ``LayerAssignment``) overrides ``num_layers``; ``cost_model`` lets
+    ``layers`` (a ``LayerAssignment``) overrides ``options.num_layers``; ``cost_model`` lets
     several calls share ILP solutions (it must be for this graph, cluster and layers).
     Raises ``InfeasibleMemoryError`` when nothing fits, ``PlanError`` for impossible
-    forced options, ``BatchSplitError`` for a bad ``num_microbatches``.
+    forced options, ``BatchSplitError`` for a bad ``num_microbatches``. The step's own
+    rules (one microbatch for BatchNorm, ...) are ``stage_dp.planner.make_plan``'s.
     """
+    if options is not None and option_fields:
+        raise PlanError(f"pass options or their fields, not both ({sorted(option_fields)})")
+    options = options or PlanOptions(**option_fields)
     with _gc_frozen():
-        return _plan(graph, cluster, num_microbatches=num_microbatches, num_layers=num_layers,
-                     num_stages=num_stages, submesh=submesh, pipeline=pipeline, sharding=sharding,
-                     memory_budget_bytes=memory_budget_bytes, schedule=schedule, progress=progress,
-                     layers=layers, logical_shapes=logical_shapes, cost_model=cost_model,
-                     checkpointing=checkpointing)
+        return _plan(graph, cluster, options, progress=progress, layers=layers, cost_model=cost_model)
 
 
 @contextlib.contextmanager
@@ -242,47 +242,48 @@ def _gc_frozen():
         gc.unfreeze()
 
 
-def _plan(graph, cluster, *, num_microbatches, num_layers, num_stages, submesh, pipeline, sharding,
-          memory_budget_bytes, schedule, progress, layers, logical_shapes, cost_model,
-          checkpointing) -> ParallelPlan:
+def _plan(graph, cluster, options: PlanOptions, *, progress, layers, cost_model) -> ParallelPlan:
     t0 = time.perf_counter()
     say = progress or (lambda msg: None)
-    num_stages = _check_options(cluster, schedule, pipeline, num_stages, submesh)
+    num_stages = _check_options(cluster, options)
+    submesh, pipeline, sharding, schedule = options.submesh, options.pipeline, options.sharding, options.schedule
     if cost_model is None:
-        layers = layers or assign_layers(graph, num_layers)
+        layers = layers or assign_layers(graph, options.num_layers)
         cost_model = StageCostModel(graph, cluster, layers, sharding=sharding,
-                                    logical_shapes=logical_shapes, progress=say)
+                                    logical_shapes=options.logical_shapes, progress=say)
     elif cost_model.graph is not graph or cost_model.cluster != cluster or cost_model.sharding != sharding:
         raise PlanError("cost_model was built for another graph, cluster or sharding option")
     model, layers = cost_model, cost_model.layers
-    ckpt = Checkpointing.parse(checkpointing)
-    budget = float(min(memory_budget_bytes or cluster.device.memory_bytes, ckpt.budget_bytes or math.inf))
-    candidates = microbatch_candidates(graph, num_microbatches)
+    ckpt = Checkpointing.parse(options.checkpointing)
+    budget = float(min(options.memory_budget_bytes or cluster.device.memory_bytes, ckpt.budget_bytes or math.inf))
+    candidates = microbatch_candidates(graph, options.num_microbatches)
     scale = 1.0 / max(candidates)
     sub_idx = None if submesh is None else model.submeshes.index(tuple(submesh))
     say(f"{layers.num_layers} layers ({model.sigs.num_distinct} distinct), {len(model.configs)} meshes, "
         f"B in {candidates}")
+
     def simulated_peak(rule_budget: float) -> float:
         """The simulated peak of the plan the memory rule picks under ``rule_budget``."""
         res, tables, _ = search(rule_budget)
-        options = {"microbatch_candidates": candidates, "checkpointing": ckpt.mode}
-        return build_plan(graph, model, tables, res.stages, schedule, rule_budget, options).peak_memory_bytes
+        record = {"microbatch_candidates": candidates, "checkpointing": ckpt.mode}
+        return build_plan(graph, model, tables, res.stages, schedule, rule_budget, record).peak_memory_bytes
 
     search = functools.partial(_fitting_search, model, candidates, schedule, scale, num_stages, sub_idx, pipeline,
                                sharding, ckpt, say, simulate=simulated_peak)
+
     def planned(rule_budget: float) -> ParallelPlan:
         """The plan the memory rule picks under ``rule_budget``, its peak simulated (raises
         ``InfeasibleMemoryError`` if the rule admits none)."""
         res, tables, lean_all = search(rule_budget)
-        options = {"num_stages": num_stages, "submesh": list(submesh) if submesh else None, "pipeline": pipeline,
-                   "sharding": sharding, "logical_shapes": model.logical_shapes, "layering": layers.method,
-                   "microbatch_candidates": candidates, "lean_all": lean_all, "num_ilps": model.num_ilps,
-                   "distinct_layers": model.sigs.num_distinct, "ilp_s": round(model.ilp_s, 3),
-                   "dp_tmax_evaluated": res.num_tmax_evaluated, "checkpointing": ckpt.mode,
-                   "plan_s": round(time.perf_counter() - t0, 3)}
+        # the plan's record: the options asked for, and what planning found and took
+        record = {**options.to_dict(), "num_stages": num_stages, "logical_shapes": model.logical_shapes,
+                  "layering": layers.method, "microbatch_candidates": candidates, "lean_all": lean_all,
+                  "num_ilps": model.num_ilps, "distinct_layers": model.sigs.num_distinct,
+                  "ilp_s": round(model.ilp_s, 3), "dp_tmax_evaluated": res.num_tmax_evaluated,
+                  "checkpointing": ckpt.mode, "plan_s": round(time.perf_counter() - t0, 3)}
         if rule_budget < budget:
-            options["memory_rule_budget_bytes"] = rule_budget
-        out = build_plan(graph, model, tables, res.stages, schedule, rule_budget, options)
+            record["memory_rule_budget_bytes"] = rule_budget
+        out = build_plan(graph, model, tables, res.stages, schedule, rule_budget, record)
         return dataclasses.replace(out, memory_budget_bytes=budget)
 
     out = _fitting(planned, budget)
@@ -316,8 +317,8 @@ def _fitting(planned: Callable[[float], ParallelPlan], budget: float) -> Paralle
             refused, rule = rule, admitted  # keep the last plan; bisect next
     need = min(peaks)
     raise InfeasibleMemoryError(
-        f"No plan fits in {budget / _GiB:.3f} GiB per device: every plan the stage DP's memory rule admitted, "
-        f"down to a rule budget of {rule / _GiB:.3f} GiB, simulates above it (the least: {need / _GiB:.3f} GiB "
+        f"No plan fits in {budget / GiB:.3f} GiB per device: every plan the stage DP's memory rule admitted, "
+        f"down to a rule budget of {rule / GiB:.3f} GiB, simulates above it (the least: {need / GiB:.3f} GiB "
         "per device, stage_dp/memory_sim.py). Remedies: more devices or devices with more memory, more "
         "microbatches, checkpointing='full', or a smaller model or batch", required_bytes=need)
 
@@ -349,14 +350,12 @@ def _fitting_search(model, candidates, schedule, scale, num_stages, sub_idx, pip
     return (*best, lean_all)
 
 
-def _check_options(cluster, schedule, pipeline, num_stages, submesh) -> int | None:
-    if schedule not in SCHEDULES:
-        raise PlanError(f"schedule {schedule!r} is unknown; use one of {SCHEDULES}")
+def _check_options(cluster, options: PlanOptions) -> int | None:
+    """The forced stage count (1 without pipelining), after the checks only the cluster allows."""
+    submesh, num_stages = options.submesh, options.num_stages
     if submesh is not None and tuple(submesh) not in cluster.submesh_shapes():
         raise PlanError(f"submesh {submesh!r} is not one of this cluster's {list(cluster.submesh_shapes())}")
-    if not pipeline:
-        if num_stages not in (None, 1):
-            raise PlanError(f"pipeline=False means one stage, but num_stages={num_stages}")
+    if not options.pipeline:
         return 1
     if num_stages is not None and not 1 <= num_stages <= cluster.num_devices:
         raise PlanError(f"num_stages={num_stages} must be in [1, {cluster.num_devices}] "
@@ -419,8 +418,7 @@ def _search(model, columns, candidates, budget, schedule, scale, num_stages, sub
     for b in candidates:
         tables = build_tables(model, columns, b, budget, schedule, scale)
         try:
-            res = run_dp(tables, model.cluster.num_devices, num_stages=num_stages,
-                         max_stages=None if pipeline else 1, submesh_index=sub_idx)
+            res = _run(model, tables, num_stages, sub_idx, pipeline)
         except NoFeasiblePlanError as exc:
             logger.debug("B=%d: %s", b, exc)
             continue
@@ -428,6 +426,12 @@ def _search(model, columns, candidates, budget, schedule, scale, num_stages, sub
         if best is None or total < best[0]:
             best = (total, res, tables)
     return None if best is None else best[1:]
+
+
+def _run(model, tables: StageTables, num_stages, sub_idx, pipeline) -> StageDPResult:
+    """The stage DP on ``tables`` over the whole cluster, with the forced options."""
+    return run_dp(tables, model.cluster.num_devices, num_stages=num_stages, max_stages=None if pipeline else 1,
+                  submesh_index=sub_idx)
 
 
 def _raise_infeasible(model, columns, candidates, budget, schedule, scale, num_stages, sub_idx, pipeline,
@@ -440,10 +444,8 @@ def _raise_infeasible(model, columns, candidates, budget, schedule, scale, num_s
     b = max(candidates)
 
     def feasible(m):
-        tables = build_tables(model, columns, b, m, schedule, scale)
         try:
-            run_dp(tables, model.cluster.num_devices, num_stages=num_stages,
-                   max_stages=None if pipeline else 1, submesh_index=sub_idx)
+            _run(model, build_tables(model, columns, b, m, schedule, scale), num_stages, sub_idx, pipeline)
             return True
         except NoFeasiblePlanError:
             return False
@@ -451,10 +453,9 @@ def _raise_infeasible(model, columns, candidates, budget, schedule, scale, num_s
     hi = budget * 2
     while not feasible(hi):
         if hi > 1e18:
-            tables = build_tables(model, columns, b, math.inf, schedule, scale)
             try:
-                run_dp(tables, model.cluster.num_devices, num_stages=num_stages,
-                       max_stages=None if pipeline else 1, submesh_index=sub_idx)
+                _run(model, build_tables(model, columns, b, math.inf, schedule, scale), num_stages, sub_idx,
+                     pipeline)
             except NoFeasiblePlanError as exc:
                 raise PlanError(f"no plan satisfies the forced options: {exc}") from exc
             break
@@ -468,8 +469,8 @@ def _raise_infeasible(model, columns, candidates, budget, schedule, scale, num_s
     cl = model.cluster
     recompute = "" if ckpt.twins else "activation checkpointing (checkpointing='auto'), "
     raise InfeasibleMemoryError(
-        f"No plan fits in {budget / _GiB:.3f} GiB per device on the {cl.num_hosts}x{cl.devices_per_host} "
-        f"cluster: the best candidate plan needs {hi / _GiB:.3f} GiB per device ({hi:.4g} bytes; "
+        f"No plan fits in {budget / GiB:.3f} GiB per device on the {cl.num_hosts}x{cl.devices_per_host} "
+        f"cluster: the best candidate plan needs {hi / GiB:.3f} GiB per device ({hi:.4g} bytes; "
         f"{b} microbatches, {schedule}{', with activation checkpointing' if ckpt.twins else ''}). Remedies: "
         f"more devices or devices with more memory, more microbatches (a larger batch), {recompute}a smaller "
         f"model or batch, or memory_budget_bytes if the budget was set too low.", required_bytes=hi)

@@ -67,11 +67,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from alpa_torch.errors import InfeasibleMemoryError
-from alpa_torch.remat import recompute_nodes
+from alpa_torch.core.errors import InfeasibleMemoryError
+from alpa_torch.core.grad_op import GRAD_MARKER_NAME
+from alpa_torch.core.remat import recompute_nodes
+from alpa_torch.core.sharding import StageSharding
 from intra_ilp import cost_model as cm
 from intra_ilp.ilp import min_peak_memory, solve_instance
-from intra_ilp.stage import StageSharding, build_stage_instance
+from intra_ilp.stage import build_stage_instance, stage_sharding
 
 from .checkpointing import range_max
 from .fork_pool import default_workers, fork_map
@@ -117,7 +119,7 @@ class LayerCost:
     """Specs keyed by the names of the signature's representative layer."""
     recompute_s: float = 0.0
     """Activation checkpointing (``checkpointing.py``): the time of the forward
-    operators ``alpa_torch.remat`` copies into the backward, under this sharding."""
+    operators ``alpa_torch.core.remat`` copies into the backward, under this sharding."""
     kept_bytes: float = 0.0
     """Activation bytes the layer keeps when it is recomputed (what its copies read
     from outside the layer)."""
@@ -300,7 +302,7 @@ class StageCostModel:
     def _solve(self, rep: int, mesh: cm.MeshCost, variant: str, cap: float | None,
                scale: float) -> LayerCost:
         instance, b = self._instance(rep, mesh)
-        # b.order, b.options, b.gm_nodes, b.memory_rows: read as ``intra_ilp.stage.solve_stage`` does
+        # b.memory_rows: which nodes are persistent state and which a microbatch keeps (``intra_ilp.stage``)
         persistent, saved = b.memory_rows
         work = instance
         if not self.sharding:
@@ -312,20 +314,12 @@ class StageCostModel:
         sol = self._solve_capped(work, cap)
         choice = sol.strategy_index
         ops = set(self.sigs.ops[rep])
-        # the layer's operators, plus batch inputs it loads (priced by newer intra_ilp)
-        p = _phase_parts(instance, choice, self.graph, ops | set(getattr(b, "fed", ())))
+        # the layer's operators, plus the batch inputs it loads (priced as loads: ``build_stage_instance``)
+        p = _phase_parts(instance, choice, self.graph, ops | set(b.fed))
         mem = [float(instance.nodes[i].memory_bytes[choice[i]]) for i in range(len(instance.nodes))]
-        chosen = {name: b.options[name][k] for name, k in zip(b.order, choice)}
-        sharding = StageSharding(
-            mesh_shape=tuple(mesh.mesh_shape),
-            value_specs={n: st.outputs[0] for n, st in chosen.items() if st.outputs and st.outputs[0] is not None},
-            input_specs={n: st.inputs for n, st in chosen.items() if n in ops},
-            compute_s=p["compute_fb"] + p["compute_update"], comm_s=p["comm_fb"] + p["comm_update"],
-            reshard_s=p["reshard_fb"] + p["reshard_update"],
-            persistent_bytes=math.fsum(mem[i] for i in persistent),
-            activation_bytes=math.fsum(mem[i] for i in saved),
-            solver_status=sol.status, gap=sol.gap, build_s=sol.build_s, solve_s=sol.solve_s,
-            num_vars=sol.num_vars, num_constraints=sol.num_constraints)
+        sharding = stage_sharding(b, instance, sol, (p["compute_fb"] + p["compute_update"],
+                                                     p["comm_fb"] + p["comm_update"],
+                                                     p["reshard_fb"] + p["reshard_update"]), ops=ops)
         recompute_s, kept = self._remat_parts(rep, instance, choice, mem)
         overhead_fb, latency_fb = _fixed_fb_parts(instance, choice, self.graph, ops, b, mesh, self.fx_nodes)
         return LayerCost(compute_fb_s=p["compute_fb"], comm_fb_s=p["comm_fb"] + p["reshard_fb"],
@@ -528,7 +522,6 @@ def _fixed_fb_parts(instance, choice, graph, ops: set[str], builder, mesh: cm.Me
     ``getitem`` nor a gradient marker), and α of every collective on the cheapest reshard
     path (``cost_model.reshard_path``) of each forward/backward edge the choice pays for.
     Both are per microbatch whatever its size (``search.build_tables``)."""
-    from intra_ilp.stage import GRAD_MARKER_NAME  # noqa: PLC0415
 
     ran = 0
     for name in ops:

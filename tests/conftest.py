@@ -2,7 +2,7 @@
 
 ``ray_session``: one Ray for the whole test run, started the first time a test
 asks for it (tests that never ask pay nothing) and stopped when the session
-ends. Starting Ray costs 6-8 s here (FINDINGS.md), so runtime tests share it;
+ends. Starting Ray costs 6-8 s here (docs/design.md), so runtime tests share it;
 each test still starts and shuts down its own ``WorkerGroup`` (a few seconds).
 With ``RAY_ADDRESS`` set, the tests use that cluster instead and leave it running.
 """
@@ -38,7 +38,7 @@ def isolated_plan_cache(tmp_path_factory) -> Iterator[None]:
 def ray_session() -> Iterator[None]:
     """A local Ray (127.0.0.1, no dashboard, token auth independent of ~/.ray) for this test session."""
     pytest.importorskip("ray")
-    from alpa_torch.cluster import Cluster
+    from alpa_torch.core.cluster import Cluster
     from runtime.ray_env import ensure_ray, stop_ray
 
     started = ensure_ray(Cluster.local(_SESSION_HOSTS, _SESSION_DEVICES_PER_HOST))

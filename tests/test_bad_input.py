@@ -28,7 +28,7 @@ from alpa_torch import (
     capture,
     parallelize,
 )
-from alpa_torch.errors import IndexRangeError, StepUsageError
+from alpa_torch.core.errors import IndexRangeError, StepUsageError
 from alpa_torch.zoo import GPT, ZOO, GPTConfig, make_batch, make_optimizer, train_step
 from tests.test_semantics import CLUSTER, _xy, plain
 from tests.test_semantics import _mlp as _net
@@ -191,7 +191,7 @@ def test_pooled_batch_statistic_with_microbatches():
     """Microbatches average per-microbatch losses: a statistic pooled over the batch and used
     nonlinearly (an MoE load-balancing loss) would change, so B is 1 (forced B > 1: an error)."""
     from alpa_torch.capture import capture
-    from alpa_torch.coupling import batch_coupling
+    from stage_dp.coupling import batch_coupling
 
     _, batch = ZOO["mlp"]()
     plain, _ = ZOO["mlp"]()

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 from alpa_torch.capture import GRAD_MARKER, capture
-from alpa_torch.errors import CaptureError, DataDependentControlFlowError, LossError, UnsupportedOperatorError
+from alpa_torch.core.errors import CaptureError, DataDependentControlFlowError, LossError, UnsupportedOperatorError
 from alpa_torch.optim import FunctionalOptimizer
 from alpa_torch.zoo import (
     GPT,

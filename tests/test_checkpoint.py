@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from alpa_torch import CheckpointError, Cluster, load_checkpoint, load_into, parallelize
-from alpa_torch.cluster import LinkSpec
+from alpa_torch.core.cluster import LinkSpec
 from alpa_torch.zoo import ZOO, make_batch, make_optimizer, train_step
 from runtime import checkpoint as ckpt
 

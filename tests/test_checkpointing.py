@@ -1,6 +1,6 @@
 """Activation checkpointing: the graph rewrite, the layer choice, the plan and the runtime.
 
-- ``alpa_torch.remat.rematerialize`` gives the same step bit for bit on one
+- ``alpa_torch.core.remat.rematerialize`` gives the same step bit for bit on one
   device (the copies run the same kernels on the same inputs);
 - ``stage_dp.checkpointing.choose_layers`` equals brute force over every subset;
 - the planner makes a model fit with checkpointing where it does not fit without;
@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 
 from alpa_torch import parallelize
 from alpa_torch.capture import capture
-from alpa_torch.cluster import Cluster
-from alpa_torch.errors import InfeasibleMemoryError, PlanError
+from alpa_torch.core.cluster import Cluster
+from alpa_torch.core.errors import InfeasibleMemoryError, PlanError
+from alpa_torch.core.remat import is_random, recompute_nodes, rematerialize
 from alpa_torch.optim import FunctionalOptimizer
-from alpa_torch.remat import is_random, recompute_nodes, rematerialize
 from alpa_torch.zoo import ZOO, build, make_batch, make_optimizer, train_step
 from stage_dp.checkpointing import Checkpointing, choose_layers, stage_memory
 from stage_dp.layer_assign import assign_layers

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from alpa_torch.plan import ParallelPlan
+from alpa_torch.core.plan import ParallelPlan
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
@@ -254,13 +254,15 @@ def test_bench_lists_and_runs_a_benchmark():
 # ------------------------------------------------------------------ explain and progress, in-process
 def _toy_plan():
     from alpa_torch.capture import capture
-    from alpa_torch.cluster import Cluster
-    from alpa_torch.explain import alternatives, plan_with_model, with_alternatives
+    from alpa_torch.core.cluster import Cluster
+    from alpa_torch.core.options import PlanOptions
+    from alpa_torch.explain import alternatives, with_alternatives
     from alpa_torch.zoo import ZOO, make_optimizer, train_step
+    from stage_dp.planner import make_plan_with_model
 
     model, batch = ZOO["mlp"]()
     graph = capture(train_step, model, make_optimizer("adamw", model), batch)
-    plan, cost_model = plan_with_model(graph, Cluster.local(1, 2), num_stages=2, num_microbatches=4)
+    plan, cost_model = make_plan_with_model(graph, Cluster.local(1, 2), PlanOptions(num_stages=2, num_microbatches=4))
     return with_alternatives(plan, alternatives(cost_model, plan))
 
 

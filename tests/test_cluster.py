@@ -1,4 +1,4 @@
-"""Tests of alpa_torch.cluster: specs, validation, serialisation, Ray discovery, submeshes.
+"""Tests of alpa_torch.core.cluster: specs, validation, serialisation, Ray discovery, submeshes.
 
 Submesh and logical-mesh expectations are written out by hand for the named
 clusters, then checked against an independent closed form for every N x M with
@@ -14,8 +14,9 @@ import pickle
 
 import pytest
 
-from alpa_torch.cluster import DEVICE_SPECS, LINK_SPECS, Cluster, DeviceSpec, LinkSpec
-from alpa_torch.errors import ClusterSpecError
+from alpa_torch.core.cluster import DEVICE_SPECS, LINK_SPECS, Cluster, DeviceSpec, LinkSpec
+from alpa_torch.core.errors import ClusterSpecError
+from runtime.discovery import cluster_from_ray
 
 TERA = 1e12
 
@@ -305,7 +306,7 @@ def test_from_ray_two_gpu_nodes(fake_ray):
     nodes += [_node("10.0.0.1", cpus=8),  # CPU-only head: skipped
               _node("10.0.0.2", gpus=8, accelerator="A100-80G"), _node("10.0.0.3", gpus=8, accelerator="A100-80G"),
               _node("10.0.0.4", alive=False, gpus=8, accelerator="H100")]
-    cluster = Cluster.from_ray()
+    cluster = cluster_from_ray()
     assert (cluster.num_hosts, cluster.devices_per_host) == (2, 8)
     assert cluster.device == DEVICE_SPECS["a100-80gb"] and cluster.backend == "nccl"
     assert cluster.intra_host_link.name == "nvlink3" and cluster.inter_host_link.name == "ib-200g"
@@ -316,7 +317,7 @@ def test_from_ray_connects_when_not_initialised(fake_ray):
     nodes, calls, monkeypatch, ray = fake_ray
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     nodes.append(_node("10.0.0.2", gpus=4, accelerator="H100"))
-    cluster = Cluster.from_ray("ray://head:10001", inter="eth-100g")
+    cluster = cluster_from_ray("ray://head:10001", inter="eth-100g")
     assert calls == ["ray://head:10001"]
     assert (cluster.num_hosts, cluster.devices_per_host, cluster.device.name) == (1, 4, "h100-80gb")
     assert cluster.intra_host_link.name == "nvlink4" and cluster.inter_host_link.name == "eth-100g"
@@ -325,8 +326,8 @@ def test_from_ray_connects_when_not_initialised(fake_ray):
 def test_from_ray_uneven_gpu_counts_use_the_minimum(fake_ray, caplog):
     nodes = fake_ray[0]
     nodes += [_node("10.0.0.2", gpus=8, accelerator="H100"), _node("10.0.0.3", gpus=4, accelerator="H100")]
-    with caplog.at_level(logging.WARNING, logger="alpa_torch.cluster"):
-        cluster = Cluster.from_ray()
+    with caplog.at_level(logging.WARNING, logger="alpa_torch.core.cluster"):
+        cluster = cluster_from_ray()
     assert (cluster.num_hosts, cluster.devices_per_host) == (2, 4)
     assert "10.0.0.2" in caplog.text and "idle" in caplog.text
 
@@ -335,25 +336,25 @@ def test_from_ray_mixed_accelerators_name_the_nodes(fake_ray):
     nodes = fake_ray[0]
     nodes += [_node("10.0.0.2", gpus=8, accelerator="A100-80G"), _node("10.0.0.3", gpus=8, accelerator="H100")]
     with pytest.raises(ClusterSpecError) as info:
-        Cluster.from_ray()
+        cluster_from_ray()
     for word in ("10.0.0.2", "10.0.0.3", "A100-80G", "H100", "device="):
         assert word in str(info.value)
-    assert Cluster.from_ray(device="a100-80gb").device.name == "a100-80gb"  # explicit device: accepted
+    assert cluster_from_ray(device="a100-80gb").device.name == "a100-80gb"  # explicit device: accepted
 
 
 def test_from_ray_unknown_accelerator_asks_for_device(fake_ray):
     fake_ray[0].append(_node("10.0.0.2", gpus=2, accelerator="T4"))
     with pytest.raises(ClusterSpecError, match="'T4'.*device="):
-        Cluster.from_ray()
+        cluster_from_ray()
     custom = dataclasses.replace(DEVICE_SPECS["v100-16gb"], name="t4")
-    cluster = Cluster.from_ray(device=custom)
+    cluster = cluster_from_ray(device=custom)
     assert cluster.device == custom and cluster.intra_host_link.name == "pcie4"
 
 
 def test_from_ray_cpu_only(fake_ray):
     nodes = fake_ray[0]
     nodes += [_node("10.0.0.1", cpus=4, memory=8 * 2**30), _node("10.0.0.2", cpus=4, memory=16 * 2**30)]
-    cluster = Cluster.from_ray()
+    cluster = cluster_from_ray()
     assert (cluster.num_hosts, cluster.devices_per_host, cluster.threads_per_device) == (2, 4, 1)
     assert cluster.device.name == "cpu" and cluster.backend == "gloo"
     assert cluster.device.memory_bytes == 2 * 2**30  # smallest node's memory / devices
@@ -362,7 +363,7 @@ def test_from_ray_cpu_only(fake_ray):
 
 def test_from_ray_big_cpu_node_caps_devices_and_adds_threads(fake_ray):
     fake_ray[0].append(_node("10.0.0.1", cpus=32))
-    cluster = Cluster.from_ray()
+    cluster = cluster_from_ray()
     assert (cluster.num_hosts, cluster.devices_per_host, cluster.threads_per_device) == (1, 8, 4)
     assert cluster.device.flops_per_s() == 4 * DEVICE_SPECS["cpu"].flops_per_s()
 
@@ -370,7 +371,7 @@ def test_from_ray_big_cpu_node_caps_devices_and_adds_threads(fake_ray):
 def test_from_ray_no_usable_nodes(fake_ray):
     fake_ray[0].append(_node("10.0.0.1", cpus=0))
     with pytest.raises(ClusterSpecError, match="no alive node.*ray start"):
-        Cluster.from_ray()
+        cluster_from_ray()
 
 
 # ------------------------------------------------------------------------ submeshes

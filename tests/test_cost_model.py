@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from alpa_torch.core.spec import R, S, ShardingSpec, all_specs, chunk_bounds
 from intra_ilp import cost_model as cm
 from intra_ilp.cost_model import (
     COST_MODEL_VERSION,
@@ -30,7 +31,6 @@ from intra_ilp.cost_model import (
     reshard_path,
     reshard_s,
 )
-from intra_ilp.spec import R, S, ShardingSpec, all_specs, chunk_bounds
 
 
 def mesh_cost(shape=(2, 4), alpha=(10.0, 1.0), beta=(2.0, 1.0), **kw) -> MeshCost:
@@ -198,7 +198,7 @@ def test_whole_cluster_mesh_takes_one_collective_over_every_device():
 
 
 def test_from_cluster_marks_the_whole_cluster_mesh():
-    from alpa_torch.cluster import Cluster
+    from alpa_torch.core.cluster import Cluster
 
     cluster = Cluster.local(2, 2)
     assert MeshCost.from_cluster(cluster, (2, 2), (2, 2)).world
@@ -406,7 +406,7 @@ def test_operator_s_adds_the_fixed_cost_per_execution():
 
 def test_from_cluster_takes_the_overhead_of_the_meshs_runtime_path():
     """One device runs plain tensors (``op_overhead_s``), several run DTensors (``sharded_op_overhead_s``)."""
-    from alpa_torch.cluster import Cluster
+    from alpa_torch.core.cluster import Cluster
 
     cluster = Cluster.local(1, 2)
     one = MeshCost.from_cluster(cluster, (1, 1), (1, 1))
@@ -476,8 +476,8 @@ def test_no_strategy_shards_a_dim_the_tensor_lacks():
     from torch.distributed.tensor import Replicate, Shard
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    from alpa_torch.core.spec import R, S, ShardingSpec
     from intra_ilp import strategies as strat
-    from intra_ilp.spec import R, S, ShardingSpec
 
     assert not strat._shardable(ShardingSpec((R, S(0))), (), (1, 2))  # a 0-d tensor has no dim 0
     assert not strat._shardable(ShardingSpec((R, S(2))), (8, 16), (1, 2))

@@ -117,7 +117,7 @@ def test_donating_runs_in_place_only_where_it_gives_the_functional_result():
 
 def _run_steps(donate: bool, steps: int = 4):
     from alpa_torch.capture import capture
-    from alpa_torch.cluster import Cluster
+    from alpa_torch.core.cluster import Cluster
     from alpa_torch.optim import FunctionalOptimizer
     from alpa_torch.zoo import ZOO, make_batch, make_optimizer, train_step
     from intra_ilp.cost_model import MeshCost

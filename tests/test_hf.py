@@ -69,32 +69,33 @@ def test_causal_lm_matches_eager(name, opt):
 @pytest.mark.slow
 def test_bert_masked_lm_one_stage_matches_eager():
     """BertForMaskedLM ties its decoder to the word embeddings; one stage forced."""
-    run_golden("hf_bert_mlm", "adam", pipeline=False)
+    assert len(run_golden("hf_bert_mlm", "adam", pipeline=False).stages) == 1
 
 
 @pytest.mark.slow
 def test_t5_one_stage_matches_eager():
-    """T5 with labels=, one stage and one microbatch (the one-stage engine)."""
-    run_golden("hf_t5", pipeline=False, num_microbatches=1)
+    """T5 with labels=, one stage and one microbatch (each device's whole step as one program)."""
+    plan = run_golden("hf_t5", pipeline=False, num_microbatches=1)
+    assert len(plan.stages) == 1 and plan.num_microbatches == 1
 
 
-# Formerly failing automatic plans (issue 6):
-# 1. Tied parameters (BERT-MLM's decoder = word embeddings, T5's shared embedding) are read
-#    by the first and the last layer; the stage DP cut between them and the pipeline runtime
-#    refused the plan. The DP now starts no stage inside a tied weight's layer span.
-# 2. T5's _shift_right writes `ids[..., 0] = decoder_start_token_id`: a 0-d tensor constant
-#    (get_attr '_tensor_constant0') that runtime/partition.py had no stage for (KeyError) on
-#    the pipeline engine (several stages or microbatches). Constants are now made by every
-#    stage that reads them (runtime/pipeline.PipelineRunner._base_env).
+# Automatic plans of models with tied parameters (BERT-MLM's decoder is its word embeddings,
+# T5's embedding is shared by encoder and decoder): read by the first and the last layer, so
+# the stage DP starts no stage inside a tied weight's layer span. T5's _shift_right writes
+# `ids[..., 0] = decoder_start_token_id`, a graph constant every pipeline stage that reads it
+# makes itself (runtime/pipeline.PipelineRunner._base_env).
 @pytest.mark.slow
 def test_bert_masked_lm_automatic_plan():
-    run_golden("hf_bert_mlm", "adam")
+    plan = run_golden("hf_bert_mlm", "adam")
+    assert plan.options["num_stages"] is None and not plan.options["num_microbatches"]  # nothing forced
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [{}, {"num_microbatches": 2}], ids=["automatic", "microbatches"])
 def test_t5_pipeline_engine(options):
-    run_golden("hf_t5", **options)
+    plan = run_golden("hf_t5", **options)
+    if options:  # two microbatches: the pipelined programs (forward, backward, update) run
+        assert plan.num_microbatches == 2
 
 
 # Models trained the way Hugging Face documents it: ``model(**batch).loss`` with ``labels=``

@@ -28,12 +28,12 @@ import math
 import torch
 
 from alpa_torch.capture import capture
-from alpa_torch.cluster import Cluster
+from alpa_torch.core.cluster import Cluster
+from alpa_torch.core.spec import P, R, S, ShardingSpec
 from alpa_torch.zoo import GPT, GPTConfig, make_optimizer, train_step
 from intra_ilp import strategies
 from intra_ilp.cost_model import MeshCost
 from intra_ilp.ilp import min_peak_memory
-from intra_ilp.spec import P, R, S, ShardingSpec
 from intra_ilp.stage import build_stage_instance, solve_stage
 
 GAP = 1e-4

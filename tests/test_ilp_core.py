@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from alpa_torch.errors import InfeasibleMemoryError
+from alpa_torch.core.errors import InfeasibleMemoryError
 from intra_ilp.ilp import min_peak_memory, solve_instance
 from intra_ilp.instance import ILPEdge, ILPInstance, ILPNode
 from intra_ilp.reduce import ContradictoryConstraintsError, reduce_instance

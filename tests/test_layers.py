@@ -61,7 +61,8 @@ def imports(module: str, path: Path, known: set[str]) -> set[str]:
                 anchor = package.split(".")
                 anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
-            names = [base] + [f"{base}.{a.name}" for a in node.names]
+            # ``from pkg import mod`` imports the module; ``from pkg import name`` the package
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
         else:
             continue
         for name in names:

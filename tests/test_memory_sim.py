@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from alpa_torch.capture import capture
-from intra_ilp.spec import ShardingSpec
+from alpa_torch.core.spec import ShardingSpec
 from stage_dp.memory_sim import GRAD_MARKER_NAME, batch_scaled_values, plan_memory, simulate_stage
 
 aten = torch.ops.aten
@@ -127,7 +127,7 @@ def test_simulated_peak_matches_the_runtimes_live_heap():
     heap (glibc's in-use bytes, sampled after every operator) peaks within 5 % of the simulation."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from alpa_torch.cluster import Cluster
+    from alpa_torch.core.cluster import Cluster
     from alpa_torch.optim import FunctionalOptimizer
     from alpa_torch.zoo import GPT, GPTConfig, _lm_batch, make_optimizer, train_step
     from intra_ilp.cost_model import MeshCost
@@ -175,7 +175,7 @@ def test_simulated_peak_matches_the_runtimes_live_heap():
 
 def test_plan_memory_matches_build_plan():
     """``build_plan`` reports the simulated peak of every stage (``plan_memory``)."""
-    from alpa_torch.cluster import Cluster
+    from alpa_torch.core.cluster import Cluster
     from alpa_torch.zoo import GPT, GPTConfig, _lm_batch, train_step
     from stage_dp.search import plan
 

@@ -33,10 +33,10 @@ import pytest
 import torch
 
 from alpa_torch.capture import capture
-from alpa_torch.cluster import Cluster
-from alpa_torch.errors import PlanError
+from alpa_torch.core.cluster import Cluster
+from alpa_torch.core.errors import PlanError
+from alpa_torch.core.plan import graph_fingerprint
 from alpa_torch.optim import FunctionalOptimizer, LossScaler
-from alpa_torch.plan import graph_fingerprint
 from alpa_torch.plan_cache import cache_key, key_fields
 from alpa_torch.zoo import ZOO, make_batch, make_optimizer, model_loss, train_step
 from intra_ilp import cost_model as cm

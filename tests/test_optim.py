@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from alpa_torch.errors import CaptureError
+from alpa_torch.core.errors import CaptureError
 from alpa_torch.optim import FunctionalOptimizer, update
 
 ATOL = 1e-6

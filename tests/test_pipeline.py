@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from alpa_torch.capture import capture
-from alpa_torch.cluster import Cluster
-from alpa_torch.errors import BatchSplitError, PlanError
+from alpa_torch.core.cluster import Cluster
+from alpa_torch.core.errors import BatchSplitError, PlanError
+from alpa_torch.core.partition import partition, stage_of_nodes
 from alpa_torch.optim import FunctionalOptimizer
 from alpa_torch.zoo import ZOO, make_batch, make_optimizer, train_step
 from intra_ilp.cost_model import MeshCost
 from intra_ilp.stage import solve_stage
-from runtime.partition import partition, stage_of_nodes
 from stage_dp.layer_assign import assign_layers
 
 ATOL = 1e-5
@@ -39,7 +39,7 @@ def _plan(name, stages, microbatches, cheap, opt="adamw", force_dp=False):
     stage_of = stage_of_nodes(graph, layers.layer_of, [(lo, hi) for lo, hi, _, _ in stages])
     cluster = Cluster.local(2, 2)
     deployments = []
-    from runtime.pipeline_engine import StageDeployment
+    from runtime.engine import StageDeployment
 
     for k, (_, _, ranks, shape) in enumerate(stages):
         names = {n for n, s in stage_of.items() if s == k and n in graph.nodes}
@@ -56,8 +56,8 @@ def _plan(name, stages, microbatches, cheap, opt="adamw", force_dp=False):
 
 def run_pipeline(name, hosts, devices, stages, microbatches, schedule, cheap=False, opt="adamw", dst_gather=None,
                  force_dp=False):
+    from runtime.engine import Engine
     from runtime.group import WorkerGroup
-    from runtime.pipeline_engine import PipelineEngine
     from runtime.wire import to_wire_dict
 
     eager, _ = ZOO[name]()
@@ -69,7 +69,7 @@ def run_pipeline(name, hosts, devices, stages, microbatches, schedule, cheap=Fal
         for key, v in functional.initial_state(n, values[n]).items():
             values[f"{n}.{key}"] = v
     with WorkerGroup.start(Cluster.local(hosts, devices)) as group:
-        engine = PipelineEngine(group, graph, deployments, stage_of, microbatches, schedule, dst_gather=dst_gather)
+        engine = Engine(group, graph, deployments, stage_of, microbatches, schedule, dst_gather=dst_gather)
         engine.load_state(to_wire_dict(values))
         for i in range(3):
             batch = make_batch(name, BATCH, seed=i)
@@ -155,9 +155,9 @@ def test_tied_weights_across_stages_are_refused():
 
 
 def test_batch_that_does_not_split_is_refused():
-    from runtime.pipeline_engine import PipelineEngine
+    from runtime.engine import Engine
 
-    engine = PipelineEngine.__new__(PipelineEngine)
+    engine = Engine.__new__(Engine)
     engine.num_microbatches = 3
     with pytest.raises(BatchSplitError, match="divisible by 3"):
         engine.split({"batch.0": np.zeros((8, 4))})

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from alpa_torch import Cluster, parallelize
-from alpa_torch.plan import ParallelPlan
+from alpa_torch.core.options import PlanOptions
+from alpa_torch.core.plan import ParallelPlan
 from alpa_torch.plan_cache import PlanCache, cache_key, default_root, key_fields, plan_decisions
 from alpa_torch.zoo import ZOO, make_optimizer, train_step
 
@@ -84,12 +85,13 @@ def test_key_covers_graph_cluster_options_and_versions():
     from alpa_torch.capture import capture
 
     graph = capture(train_step, model, optimizer, batch)
-    base = key_fields(graph, Cluster.local(1, 2), {"schedule": "1f1b", "progress": print})
+    base = key_fields(graph, Cluster.local(1, 2), PlanOptions(schedule="1f1b"))
     assert set(base) == {"graph_fingerprint", "cluster", "options", "cost_model_version", "plan_format_version",
                          "cache_version"}
     assert "progress" not in base["options"]
-    assert cache_key(base) == cache_key(key_fields(graph, Cluster.local(1, 2), {"schedule": "1f1b"}))
-    assert cache_key(base) != cache_key(key_fields(graph, Cluster.local(2, 1), {"schedule": "1f1b"}))
+    assert cache_key(base) == cache_key(key_fields(graph, Cluster.local(1, 2), PlanOptions()))
+    assert cache_key(base) != cache_key(key_fields(graph, Cluster.local(2, 1), PlanOptions()))
+    assert cache_key(base) != cache_key(key_fields(graph, Cluster.local(1, 2), PlanOptions(schedule="gpipe")))
 
 
 def test_cache_location_option_and_environment(tmp_path, monkeypatch):
@@ -102,22 +104,23 @@ def test_cache_location_option_and_environment(tmp_path, monkeypatch):
     assert str(default_root()).endswith(".cache/alpa_torch/plans")
 
 
-def test_cached_plan_repeats_the_planner_warnings(tmp_path, caplog):
+def test_cached_plan_repeats_the_planner_warnings(tmp_path, caplog, monkeypatch):
     import logging
 
     from alpa_torch import plan_cache
 
-    def search(graph, cluster, **options):
+    def search(graph, cluster, options, progress=None):
         logging.getLogger("intra_ilp.strategies").warning("no sharding rule for aten.glu: it runs replicated")
         return plan
 
     plan, _, _ = _make_plan(False, Cluster.local(1, 1))
+    monkeypatch.setattr(plan_cache, "make_plan", search)
     model, optimizer, batch = _inputs()
     from alpa_torch.capture import capture
 
     graph = capture(train_step, model, optimizer, batch)
     cache = PlanCache(tmp_path)
-    assert plan_cache.cached_plan(cache, graph, Cluster.local(1, 1), {}, search)[1] == "search"
+    assert plan_cache.cached_plan(cache, graph, Cluster.local(1, 1), PlanOptions())[1] == "search"
     with caplog.at_level(logging.WARNING, logger="intra_ilp.strategies"):
-        assert plan_cache.cached_plan(cache, graph, Cluster.local(1, 1), {}, search)[1] == "cache"
+        assert plan_cache.cached_plan(cache, graph, Cluster.local(1, 1), PlanOptions())[1] == "cache"
     assert "aten.glu: it runs replicated [cached plan]" in caplog.text

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from alpa_torch.capture import capture
-from alpa_torch.cluster import Cluster
-from alpa_torch.errors import BatchSplitError, InfeasibleMemoryError, PlanError
-from alpa_torch.plan import ParallelPlan, tile_submeshes
+from alpa_torch.core.cluster import Cluster
+from alpa_torch.core.errors import BatchSplitError, InfeasibleMemoryError, PlanError
+from alpa_torch.core.plan import ParallelPlan, tile_submeshes
 from alpa_torch.zoo import GPT, GPTConfig, _lm_batch, train_step
 from stage_dp import assign_layers
 from stage_dp.search import plan, tied_spans
@@ -210,7 +210,7 @@ def _mlp_step(model, optimizer, batch):
 def test_no_stage_starts_inside_a_tied_weight_span(graph, layers):
     """A weight read by layers 1 and 2 (tied) keeps them in one stage: the pipeline runtime
     refuses a parameter used by several stages, so the stage DP never cuts at layer 2."""
-    from runtime.partition import partition, stage_of_nodes
+    from alpa_torch.core.partition import partition, stage_of_nodes
 
     assert tied_spans(graph, layers.layer_of) == []  # untied GPT
     torch.manual_seed(0)

@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from alpa_torch.cluster import COLLECTIVES, Cluster
-from alpa_torch.errors import ClusterSpecError
+from alpa_torch.core.cluster import COLLECTIVES, Cluster
+from alpa_torch.core.errors import ClusterSpecError
 from intra_ilp import cost_model as cm
 from runtime.profile import (
     ProfileError,
@@ -172,7 +172,7 @@ def _check_profiled(cluster: Cluster) -> None:
 
 def test_profile_local_1x2(ray_session, tmp_path):
     base = Cluster.local(1, 2)
-    profiled = base.profile(sizes_bytes=(4 * _KiB, 256 * _KiB, 8 * _MiB), repeats=3, matmul_sizes=(128, 256),
+    profiled = profile_cluster(base, sizes_bytes=(4 * _KiB, 256 * _KiB, 8 * _MiB), repeats=3, matmul_sizes=(128, 256),
                             copy_bytes=16 * _MiB)
     _check_profiled(profiled)
     assert profiled.inter_host_link == base.inter_host_link  # one host: nothing to measure between hosts
@@ -192,7 +192,7 @@ def test_profile_local_1x2(ray_session, tmp_path):
 @pytest.mark.slow
 def test_profile_local_2x2_measures_both_links(ray_session):
     """Two 'hosts' of two devices: intra and inter groups both measured (4 workers: slow on 2 cores)."""
-    profiled = Cluster.local(2, 2).profile(sizes_bytes=(4 * _KiB, 256 * _KiB, 8 * _MiB), repeats=3,
+    profiled = profile_cluster(Cluster.local(2, 2), sizes_bytes=(4 * _KiB, 256 * _KiB, 8 * _MiB), repeats=3,
                                            matmul_sizes=(128, 256), copy_bytes=16 * _MiB)
     _check_profiled(profiled)
     inter = profiled.inter_host_link
@@ -229,7 +229,7 @@ def test_calibration_prices_busy_rates_operator_overheads_and_busy_links():
 
 
 def test_operator_overheads_are_validated_and_default_to_a_kernel_launch():
-    from alpa_torch.cluster import DEVICE_SPECS, DeviceSpec
+    from alpa_torch.core.cluster import DEVICE_SPECS, DeviceSpec
 
     assert DEVICE_SPECS["a100-80gb"].op_overhead_s == DEVICE_SPECS["a100-80gb"].sharded_op_overhead_s == 5e-6
     cpu = DEVICE_SPECS["cpu"]

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from alpa_torch import CheckpointError, Cluster, WorkerError, parallelize
+from alpa_torch.core.errors import WorkerFailure
 from alpa_torch.zoo import ZOO, make_batch, make_optimizer, train_step
 from runtime.engine import stage_failure
 
@@ -61,10 +62,16 @@ def test_killed_worker_restarts_from_checkpoint_then_fails_cleanly(tmp_path):
 
 
 def test_stage_failure_names_the_stage_of_the_dead_device():
-    exc = WorkerError("_pstep failed on device rank(s) [3, 0] (died: [3], raised: [0]); group shut down.\n...")
-    text = str(stage_failure(exc, [(0, 1), (2, 3)]))
-    assert text.startswith("device 3 of stage 1 (stage devices [2, 3]) failed: _pstep failed")
-    late = WorkerError("_step: device rank(s) [0, 1] (host(s) [0]) did not answer within 600 s; done: []")
+    def failure(rank, died):
+        return WorkerFailure(rank=rank, host=rank // 2, pid=100 + rank, hostname="h", died=died, error="...")
+
+    exc = WorkerError("_pstep failed on device rank(s) [3, 0] (died: [3], raised: [0]); group shut down.\n...",
+                      failures=(failure(3, True), failure(0, False)))
+    named = stage_failure(exc, [(0, 1), (2, 3)])
+    assert str(named).startswith("device 3 of stage 1 (stage devices [2, 3]) failed: _pstep failed")
+    assert named.stages == (1,) and named.failed_ranks == [3] and named.failures[0].pid == 103
+    late = WorkerError("_step: device rank(s) [0, 1] (host(s) [0]) did not answer within 600 s; done: []",
+                       failures=(failure(0, False), failure(1, False)))
     assert str(stage_failure(late, [(0, 1)])).startswith("device 0 of stage 0 (stage devices [0, 1]); device 1 of")
 
 

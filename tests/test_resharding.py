@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from intra_ilp.spec import R, S, ShardingSpec
+from alpa_torch.core.spec import R, S, ShardingSpec
 from runtime.resharding import (
     Box,
     MeshPlacement,

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from alpa_torch.capture import capture
-from alpa_torch.cluster import Cluster
+from alpa_torch.core.cluster import Cluster
 from alpa_torch.optim import FunctionalOptimizer
 from alpa_torch.zoo import ZOO, make_batch, make_optimizer, train_step
 from intra_ilp.cost_model import MeshCost
@@ -278,8 +278,7 @@ def test_2d_data_by_tensor_on_2x2():
 
 
 def _specs(*specs):
-    from intra_ilp.spec import ShardingSpec
-    from intra_ilp.strategies import to_dtensor_placements
+    from alpa_torch.core.spec import ShardingSpec, to_dtensor_placements
 
     return [to_dtensor_placements(ShardingSpec.parse(s)) for s in specs]
 
@@ -469,7 +468,7 @@ def _flat_collectives_check(state):
     runner = StageRunner([], {}, {}, {"inputs": [], "outputs": []}, mesh)
     v = DTensor.from_local(full["a"] * (rank + 1), mesh, (Partial(), Partial()), run_check=False)
     for target in [(Shard(0), Shard(1)), (Replicate(), Shard(0)), (Shard(0), Shard(0))]:
-        got, want = runner._place(v, target), v.redistribute(mesh, target)
+        got, want = runner.place(v, target), v.redistribute(mesh, target)
         assert got.placements == target
         torch.testing.assert_close(got.to_local(), want.to_local(), rtol=1e-6, atol=1e-6)
     # Shard(i) -> Shard(j) on one axis: one gloo all-to-all, DTensor's layout (its own path on

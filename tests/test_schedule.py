@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.schedule import (
+from alpa_torch.core.schedule import (
     BACKWARD,
     FORWARD,
     RECV_ACT,

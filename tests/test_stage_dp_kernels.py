@@ -198,7 +198,7 @@ def test_stage_dp_rejects_bad_inputs():
 
 
 def test_numba_switch_reads_env_var():
-    code = "import stage_dp.kernels as k; print(k.USE_NUMBA_DEFAULT, k.resolve_use_numba(True))"
+    code = "import stage_dp.kernels as k; print(k.numba_default(), k.resolve_use_numba(True))"
     env = {**os.environ, NO_NUMBA_ENV: "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          cwd=os.path.join(os.path.dirname(__file__), ".."), check=True)

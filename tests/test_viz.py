@@ -24,13 +24,14 @@ def check_png(path) -> None:
 @pytest.fixture(scope="module")
 def plan():
     from alpa_torch.capture import capture
-    from alpa_torch.cluster import Cluster
-    from alpa_torch.explain import plan_with_model
+    from alpa_torch.core.cluster import Cluster
+    from alpa_torch.core.options import PlanOptions
     from alpa_torch.zoo import ZOO, make_optimizer, train_step
+    from stage_dp.planner import make_plan_with_model
 
     model, batch = ZOO["mlp"]()
     graph = capture(train_step, model, make_optimizer("adamw", model), batch)
-    return plan_with_model(graph, Cluster.local(1, 2), num_stages=2, num_microbatches=4)[0]
+    return make_plan_with_model(graph, Cluster.local(1, 2), PlanOptions(num_stages=2, num_microbatches=4))[0]
 
 
 def test_stage_times_split_each_stage_time(plan):
@@ -44,7 +45,7 @@ def test_stage_times_split_each_stage_time(plan):
 
 
 def test_predicted_timeline_has_every_microbatch_and_bubbles(plan):
-    from runtime.schedule import BACKWARD, FORWARD
+    from alpa_torch.core.schedule import BACKWARD, FORWARD
 
     timeline = viz.predicted_timeline(plan)
     b = plan.num_microbatches

@@ -14,8 +14,8 @@ import time
 import numpy as np
 import pytest
 
-from alpa_torch.cluster import Cluster
-from alpa_torch.errors import ClusterSpecError, WorkerError
+from alpa_torch.core.cluster import Cluster
+from alpa_torch.core.errors import ClusterSpecError, WorkerError
 from runtime.group import WorkerGroup, _alive
 from runtime.ray_env import _configure_token_auth, alive_nodes, plan_resources
 

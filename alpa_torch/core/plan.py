@@ -22,16 +22,16 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from intra_ilp.stage import StageSharding
-
+from .cluster import Cluster, GiB
 from .errors import ClusterSpecError, PlanError
+from .graph import OpGraph
+from .options import SCHEDULES
+from .sharding import StageSharding
 
 FORMAT_VERSION = 1
-SCHEDULES = ("1f1b", "gpipe")
-_GiB = 2.0**30
 
 
-def graph_fingerprint(graph) -> str:
+def graph_fingerprint(graph: OpGraph) -> str:
     """16 hex digits of a SHA-256 over the graph's inputs and operators (targets, shapes,
     dtypes, phases, wiring) and its mixed precision (``graph.meta['precision']``, left out
     for fp32 so fp32 fingerprints are unchanged): equal graphs give equal fingerprints
@@ -47,7 +47,7 @@ def graph_fingerprint(graph) -> str:
     return h.hexdigest()[:16]
 
 
-def tile_submeshes(cluster, shapes) -> list[tuple[int, ...]]:
+def tile_submeshes(cluster: Cluster, shapes: list[tuple[int, int]]) -> list[tuple[int, ...]]:
     """Device ids of each submesh, tiling the cluster the Alpa way: largest first,
     packed host by host ((n, M) take whole free hosts, (1, m) the first host with m
     free devices). Raises PlanError if they do not fit."""
@@ -203,14 +203,14 @@ class ParallelPlan:
             rows.append((str(s.index), f"{s.layer_start}-{s.layer_end}", f"{s.submesh[0]}x{s.submesh[1]}",
                          _ranges(s.device_ids), f"{s.logical_mesh[0]}x{s.logical_mesh[1]}", s.variant,
                          f"{s.time_s * 1e3:.3f}", f"{s.compute_s * 1e3:.3f}", f"{s.comm_s * 1e3:.3f}",
-                         f"{s.update_s * 1e3:.3f}", f"{s.memory_bytes / _GiB:.3f}",
+                         f"{s.update_s * 1e3:.3f}", f"{s.memory_bytes / GiB:.3f}",
                          _ranges(s.recompute_layers) or "-"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.append(f"step {self.predicted_step_s * 1e3:.3f} ms = compute {self.compute_s * 1e3:.3f} + "
                      f"comm {self.communication_s * 1e3:.3f} + bubble {self.bubble_s * 1e3:.3f}; "
                      f"{self.num_microbatches} microbatches, {self.schedule}, {self.num_layers} layers; "
-                     f"peak {self.peak_memory_bytes / _GiB:.3f} of {self.memory_budget_bytes / _GiB:.3f} GiB")
+                     f"peak {self.peak_memory_bytes / GiB:.3f} of {self.memory_budget_bytes / GiB:.3f} GiB")
         lines.append(self.cluster_description)
         return "\n".join(lines)
 
@@ -227,7 +227,7 @@ class ParallelPlan:
         return tuple(l for s in self.stages for l in s.recompute_layers)
 
     # --------------------------------------------------------------- checks
-    def validate(self, graph, cluster) -> None:
+    def validate(self, graph: OpGraph, cluster: Cluster) -> None:
         """Raise ``PlanError`` unless this plan fits ``graph`` and ``cluster``."""
         fp = graph_fingerprint(graph)
         if fp != self.graph_fingerprint:

@@ -2,12 +2,12 @@
 
 Owns the hardware description the planner reads (``DeviceSpec``, ``LinkSpec``,
 ``Cluster``), built-in specs from NVIDIA datasheets, and the Alpa submesh and
-logical-mesh enumeration (DESIGN.md, "The planning problem"). It does not
+logical-mesh enumeration (docs/design.md, "The planning problem"). It does not
 estimate operator or collective costs (``intra_ilp`` does that from these
 numbers) and never starts workers (``runtime`` does). Inputs come from the user:
-``Cluster.local`` / ``simulated`` / ``from_ray`` / a dict, JSON or YAML file, or
-``Cluster.profile``, which measures the real workers (``runtime/profile.py``) and
-returns a calibrated copy.
+``Cluster.local`` / ``simulated`` / a dict, JSON or YAML file; the runtime makes one from a
+running Ray cluster (``runtime.discovery.cluster_from_ray``) or calibrates one by measuring
+its workers (``runtime.profile.profile_cluster``): a value type never talks to Ray itself.
 
 Device numbering is host-major everywhere: local device ``i`` of host ``h`` is
 global device ``h * devices_per_host + i``. A submesh is ``(hosts, devices)``.
@@ -21,21 +21,22 @@ import logging
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
 import yaml
 
-from alpa_torch.errors import ClusterSpecError
+from alpa_torch.core.errors import ClusterSpecError
 
 logger = logging.getLogger(__name__)
 
 Shape = tuple[int, int]
 
 _BACKENDS = ("gloo", "nccl")
-_GiB = 2**30
+GiB = 2**30
+"""Bytes per GiB (device memories, budgets and reports are in bytes; tables print GiB)."""
 # At most this many virtual CPU devices per Ray host; extra CPUs become threads.
 _MAX_CPU_DEVICES_PER_HOST = 8
 
@@ -75,7 +76,7 @@ def _host_memory_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
-        return 16 * _GiB
+        return 16 * GiB
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -182,18 +183,18 @@ DEVICE_SPECS: dict[str, DeviceSpec] = {
     # NVIDIA Tesla V100 SXM2 datasheet: FP32 15.7, tensor FP16 125 TFLOP/s, HBM2 900 GB/s.
     # No bf16 tensor cores: bfloat16 falls back to the float32 peak.
     "v100-16gb": DeviceSpec(name="v100-16gb", peak_flops={"float32": 15.7 * _TERA, "float16": 125 * _TERA},
-                            memory_bandwidth_bytes_per_s=900e9, memory_bytes=16 * _GiB),
+                            memory_bandwidth_bytes_per_s=900e9, memory_bytes=16 * GiB),
     # NVIDIA A100 Tensor Core GPU datasheet (SXM): FP32 19.5 (TF32 156), BF16/FP16 312 TFLOP/s.
     "a100-40gb": DeviceSpec(name="a100-40gb", peak_flops={"float32": 19.5 * _TERA, "tfloat32": 156 * _TERA,
                                                           "bfloat16": 312 * _TERA, "float16": 312 * _TERA},
-                            memory_bandwidth_bytes_per_s=1555e9, memory_bytes=40 * _GiB),
+                            memory_bandwidth_bytes_per_s=1555e9, memory_bytes=40 * GiB),
     "a100-80gb": DeviceSpec(name="a100-80gb", peak_flops={"float32": 19.5 * _TERA, "tfloat32": 156 * _TERA,
                                                           "bfloat16": 312 * _TERA, "float16": 312 * _TERA},
-                            memory_bandwidth_bytes_per_s=2039e9, memory_bytes=80 * _GiB),
+                            memory_bandwidth_bytes_per_s=2039e9, memory_bytes=80 * GiB),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM): FP32 67, BF16/FP16 989 dense, 3.35 TB/s.
     "h100-80gb": DeviceSpec(name="h100-80gb", peak_flops={"float32": 67 * _TERA, "bfloat16": 989 * _TERA,
                                                           "float16": 989 * _TERA},
-                            memory_bandwidth_bytes_per_s=3.35e12, memory_bytes=80 * _GiB),
+                            memory_bandwidth_bytes_per_s=3.35e12, memory_bytes=80 * GiB),
     # NVIDIA DGX B200 / HGX B200 datasheet, per GPU: BF16/FP16 2.25 PFLOP/s dense, FP32 80,
     # HBM3e 8 TB/s, 180 GB usable.
     "b200": DeviceSpec(name="b200", peak_flops={"float32": 80 * _TERA, "bfloat16": 2250 * _TERA,
@@ -282,7 +283,7 @@ class Cluster:
     collective_beta_scale: dict[str, float] = field(default_factory=dict, hash=False)
     """Multiplier on a link's β (seconds per byte) per collective, keyed by a name in ``COLLECTIVES``
     ('allgather', 'reducescatter', ...); a missing key means 1.0. On gloo, all-gather and
-    reduce-scatter move bytes 3-4x slower than all-reduce (FINDINGS.md); NCCL's ratios are near 1.
+    reduce-scatter move bytes 3-4x slower than all-reduce (docs/design.md); NCCL's ratios are near 1.
     ``profile`` measures them. Keys are stored in canonical form ('all_gather' -> 'allgather')."""
     profiled: dict[str, Any] = field(default_factory=dict, hash=False)
     """Empty, or what ``profile`` measured and fitted (date, sizes, raw timings, per-collective
@@ -321,7 +322,7 @@ class Cluster:
             scales[name] = float(value)
         object.__setattr__(self, "collective_beta_scale", scales)
         if not isinstance(self.profiled, Mapping):
-            _fail("Cluster", "profiled", self.profiled, "must be a dict", "leave it to Cluster.profile")
+            _fail("Cluster", "profiled", self.profiled, "must be a dict", "leave it to runtime.profile.profile_cluster")
         try:
             plain = json.loads(json.dumps(dict(self.profiled), allow_nan=False))
         except (TypeError, ValueError) as exc:
@@ -365,22 +366,16 @@ class Cluster:
                    backend="gloo" if spec.name == "cpu" else "nccl")
 
     @classmethod
-    def from_ray(cls, address: str | None = None, device: str | DeviceSpec | None = None, *,
-                 intra: str | LinkSpec | None = None, inter: str | LinkSpec | None = None) -> Cluster:
-        """The Ray cluster this process is connected to (or connects to via ``ray.init(address)``).
-
-        Hosts are the alive nodes with GPUs (CPU-only nodes such as a head are then
-        skipped) or, without GPUs anywhere, the alive nodes with CPUs. Devices per
-        host is the smallest count over those nodes; extra CPUs become threads.
-        """
-        from .ray_discovery import read_ray_layout  # noqa: PLC0415 (imports ray)
-
-        layout = read_ray_layout(address, device)
-        default_intra, default_inter = _DEFAULT_LINKS.get(layout.device.name, ("pcie4", "ib-200g"))
-        return cls(num_hosts=layout.num_hosts, devices_per_host=layout.devices_per_host, device=layout.device,
+    def discovered(cls, num_hosts: int, devices_per_host: int, device: DeviceSpec, backend: str,
+                   threads_per_device: int, *, intra: str | LinkSpec | None = None,
+                   inter: str | LinkSpec | None = None) -> Cluster:
+        """A cluster of real hosts as found on a running Ray cluster (``runtime.discovery``):
+        the links default by device (``_DEFAULT_LINKS``) unless given."""
+        default_intra, default_inter = _DEFAULT_LINKS.get(device.name, ("pcie4", "ib-200g"))
+        return cls(num_hosts=num_hosts, devices_per_host=devices_per_host, device=device,
                    intra_host_link=_build(LinkSpec, "link", intra or default_intra, LINK_SPECS),
                    inter_host_link=_build(LinkSpec, "link", inter or default_inter, LINK_SPECS),
-                   backend=layout.backend, threads_per_device=layout.threads_per_device)
+                   backend=backend, threads_per_device=threads_per_device)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Cluster:
@@ -434,17 +429,6 @@ class Cluster:
         """Write ``to_dict()`` as YAML; ``from_yaml`` gives back an equal cluster."""
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
-    # ------------------------------------------------------------- calibration
-    def profile(self, **kwargs: Any) -> Cluster:
-        """Measure this cluster's workers and return a calibrated copy (this one is unchanged).
-
-        Starts a ``WorkerGroup`` on Ray unless ``group=`` is given; keyword arguments go to
-        ``runtime.profile.profile_cluster`` (``sizes_bytes``, ``repeats``, ``group``, ...).
-        """
-        from runtime.profile import profile_cluster  # noqa: PLC0415 (imports ray and torch: only when asked)
-
-        return profile_cluster(self, **kwargs)
-
     # ------------------------------------------------------- submeshes (Alpa §5)
     def submesh_shapes(self) -> tuple[Shape, ...]:
         """Alpa's submesh shapes by device count: (1, 2^k) for 2^k <= M, and (n, M) for n = 1..N."""
@@ -486,6 +470,12 @@ class Cluster:
             self.intra_host_link if all(len({k // m for k in g}) == 1 for g in groups) else self.inter_host_link
             for groups in (axis0_groups, axis1_groups))
 
+    def link_between(self, devices: Iterable[int], others: Iterable[int] = ()) -> LinkSpec:
+        """The link that traffic among global device ids ``devices`` and ``others`` crosses: the
+        intra-host link if they all sit on one host, else the inter-host link."""
+        hosts = {d // self.devices_per_host for d in (*devices, *others)}
+        return self.intra_host_link if len(hosts) <= 1 else self.inter_host_link
+
     def submesh_device_ids(self, submesh: Shape, offset: int) -> tuple[int, ...]:
         """Global device ids (host-major) of ``submesh`` placed with its first device at ``offset``.
 
@@ -512,7 +502,7 @@ class Cluster:
             return f"{spec.name} {spec.bandwidth_bytes_per_s / 1e9:g} GB/s, alpha {spec.alpha_s * 1e6:g} us"
 
         text = (f"{self.num_hosts}x{self.devices_per_host} cluster = {self.num_devices} x {dev.name} "
-                f"({peak / 1e12:g} TFLOP/s {dtype} peak, {dev.memory_bytes / _GiB:.1f} GiB, "
+                f"({peak / 1e12:g} TFLOP/s {dtype} peak, {dev.memory_bytes / GiB:.1f} GiB, "
                 f"{dev.memory_bandwidth_bytes_per_s / 1e9:g} GB/s); intra-host {link(self.intra_host_link)}; "
                 f"inter-host {link(self.inter_host_link)}; backend {self.backend}")
         if self.is_local:

@@ -40,10 +40,10 @@ import operator
 import torch
 import torch.fx as fx
 
-from intra_ilp.spec import Placement, R, S
+from alpa_torch.core.graph import OpGraph
+from alpa_torch.core.microbatches import split_flags
+from alpa_torch.core.spec import Placement, R, S
 from intra_ilp.strategies import Strategy, node_strategies
-
-from .batch import split_flags
 
 _MESH = (1, 2)
 """Axis 1 (two devices) stands for the microbatches; axis 0 (one device) stays R."""
@@ -56,7 +56,7 @@ State = Placement | None | list
 """R, S(d) or P on the microbatch axis; None: unknown; a list for a tuple-valued operator."""
 
 
-def batch_coupling(graph) -> str | None:
+def batch_coupling(graph: OpGraph) -> str | None:
     """Why microbatches would change this step's numbers (a sentence), or None."""
     if _batch_norm_training(graph):
         return "BatchNorm in training mode normalises with statistics of the whole batch"
@@ -124,7 +124,7 @@ _SCALE_OPS = {torch.ops.aten.mul.Tensor: "mul", torch.ops.aten.div.Tensor: "div"
 _ADD_OPS = {torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor}
 
 
-def loss_combine(graph, microbatch_graph, num_microbatches: int) -> str | None:
+def loss_combine(graph: OpGraph, microbatch_graph: OpGraph, num_microbatches: int) -> str | None:
     """How the losses (and gradients) of ``num_microbatches`` microbatches add up to the whole batch's:
     'mean' (the loss is a mean over samples: a mean, a sum divided by the batch size, or a masked mean
     ``masked_mean`` made exact), 'sum' (a sum over samples), or None (anything else: a microbatch

@@ -1,9 +1,9 @@
-"""Reading a running Ray cluster's nodes for ``Cluster.from_ray``.
+"""A running Ray cluster as a ``Cluster``: ``cluster_from_ray``.
 
 Owns: which Ray nodes are hosts (GPU nodes, else CPU nodes), how many devices
 each contributes, and which built-in device spec Ray's accelerator type maps
-to. ``alpa_torch.cluster`` imports this lazily, so importing the cluster model
-does not import Ray.
+to. The ``Cluster`` value type knows nothing of Ray; this module builds one
+(``Cluster.discovered``) from what Ray reports.
 """
 
 from __future__ import annotations
@@ -12,15 +12,17 @@ import logging
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from .cluster import (
+from alpa_torch.core.cluster import (
     _MAX_CPU_DEVICES_PER_HOST,
     DEVICE_SPECS,
+    Cluster,
     DeviceSpec,
+    LinkSpec,
     _build,
     _cpu_device,
     _host_memory_bytes,
 )
-from .errors import ClusterSpecError
+from alpa_torch.core.errors import ClusterSpecError
 
 logger = logging.getLogger(__name__)
 
@@ -95,3 +97,16 @@ def _ray_accelerator(nodes: list[Mapping[str, Any]]) -> str:
     if accelerator == "A100":
         logger.warning("Ray reports 'A100' without a memory size; assuming a100-40gb (pass device= to override)")
     return _RAY_ACCELERATORS[accelerator]
+
+
+def cluster_from_ray(address: str | None = None, device: str | DeviceSpec | None = None, *,
+                     intra: str | LinkSpec | None = None, inter: str | LinkSpec | None = None) -> Cluster:
+    """The Ray cluster this process is connected to (or connects to via ``ray.init(address)``).
+
+    Hosts are the alive nodes with GPUs (CPU-only nodes such as a head are then skipped) or,
+    without GPUs anywhere, the alive nodes with CPUs. Devices per host is the smallest count
+    over those nodes; extra CPUs become threads. ``intra`` / ``inter``: link names or specs
+    (default by device)."""
+    layout = read_ray_layout(address, device)
+    return Cluster.discovered(layout.num_hosts, layout.devices_per_host, layout.device, layout.backend,
+                              layout.threads_per_device, intra=intra, inter=inter)

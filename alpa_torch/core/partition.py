@@ -20,7 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from alpa_torch.errors import PlanError
+from alpa_torch.core.errors import PlanError
+
+from .graph import OpGraph
 
 PHASE_ORDER = {"forward": 0, "backward": 1, "update": 2}
 
@@ -65,7 +67,7 @@ def _check_crossing(graph, value: str, s: int, t: int, produced: str, consumed: 
         )
 
 
-def partition(graph, stage_of: dict[str, int], num_stages: int) -> tuple[list[StageProgram], list[Crossing]]:
+def partition(graph: OpGraph, stage_of: dict[str, int], num_stages: int) -> tuple[list[StageProgram], list[Crossing]]:
     """Per-stage programs and the crossings, from each node's stage."""
     order = [n.name for n in graph.gm.graph.nodes if n.op == "call_function"]
     inputs_of = {s.node for s in graph.inputs}
@@ -121,7 +123,7 @@ def _input_node(graph, kind: str, name: str) -> str | None:
     return next((s.node for s in graph.inputs if s.kind == kind and s.name == name), None)
 
 
-def stage_of_nodes(graph, layer_of: dict[str, int], layer_ranges: list[tuple[int, int]]) -> dict[str, int]:
+def stage_of_nodes(graph: OpGraph, layer_of: dict[str, int], layer_ranges: list[tuple[int, int]]) -> dict[str, int]:
     """Stage of every node from its layer and the stages' inclusive layer ranges."""
     stage_of_layer = {}
     for k, (lo, hi) in enumerate(layer_ranges):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -172,5 +172,38 @@ def all_specs(tensor_ndim: int, mesh_ndim: int, allow_partial: bool = False) -> 
     return [ShardingSpec(s) for s in specs]
 
 
-def specs_from_strings(texts: Iterable[str]) -> list[ShardingSpec]:
-    return [ShardingSpec.parse(t) for t in texts]
+
+
+def to_dtensor_placements(spec: ShardingSpec) -> tuple:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    return tuple(
+        Shard(p.dim) if p.is_shard else Partial() if p.is_partial else Replicate() for p in spec.placements
+    )
+
+
+def from_dtensor_placements(placements) -> ShardingSpec | None:
+    """Our spec of DTensor placements; None when ``ShardingSpec`` cannot say it.
+
+    Only plain ``Shard``, ``Replicate`` and ``Partial`` of a sum or a mean map.
+    A mean (``Partial('avg')``: a mean-reduced loss over a sharded batch) is
+    priced as ``P``: it reduces with the same collectives as a sum, and the
+    runtime keeps DTensor's own reduce op for a value already partial. A view
+    that flattens a sharded inner dim yields ``_StridedShard`` (a strided, not a
+    contiguous, chunk) and ``amax`` a ``Partial('max')``; reading those as
+    ``S(d)``, ``R`` or ``P`` would price and run a wrong layout, so strategies
+    using them are dropped.
+    """
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    out = []
+    for p in placements:
+        if type(p) is Shard:
+            out.append(S(p.dim))
+        elif isinstance(p, Partial) and p.reduce_op in ("sum", "avg"):
+            out.append(P)
+        elif isinstance(p, Replicate):
+            out.append(R)
+        else:
+            return None
+    return ShardingSpec(tuple(out))

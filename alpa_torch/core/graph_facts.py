@@ -15,6 +15,7 @@ FLOP per output element, which is right for the elementwise majority.
 
 from __future__ import annotations
 
+import logging
 import operator
 
 import torch
@@ -22,6 +23,8 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
 from .graph import IOSpec, OpNode
+
+log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 
@@ -58,8 +61,9 @@ def node_flops(node: fx.Node) -> float:
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
         try:
             return float(fn(*args, out_val=out, **kwargs))
-        except Exception:  # noqa: BLE001 - a formula that cannot read these args: fall back
-            pass
+        except Exception as exc:  # noqa: BLE001 - a formula that cannot read these args: fall back
+            log.info("the FLOP formula of %s failed on %s (%s: %s): counting one FLOP per output element",
+                     target, node.name, type(exc).__name__, exc)
     if target in VIEW_OPS or target is operator.getitem:
         return 0.0
     return float(sum(t.numel() for t in _tensors(out)))

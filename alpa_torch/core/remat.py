@@ -27,8 +27,9 @@ import operator
 
 import torch.fx as fx
 
-from alpa_torch.graph import OpGraph
-from alpa_torch.graph_facts import build_nodes
+from .grad_op import GRAD_MARKER
+from .graph import OpGraph
+from .graph_facts import build_nodes
 
 COPY_SUFFIX = "_recompute"
 _RANDOM = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "randperm", "exponential",
@@ -116,7 +117,7 @@ def rematerialize(graph: OpGraph, layer_of: dict[str, int], layers) -> tuple[OpG
             g.erase_node(by_name[name])
     g.lint()
     gm.recompile()
-    nodes, grad_of = build_nodes(gm, graph.inputs, graph.outputs, list(_opt_names(graph)), _marker(graph))
+    nodes, grad_of = build_nodes(gm, graph.inputs, graph.outputs, list(_opt_names(graph)), GRAD_MARKER)
     new = dataclasses.replace(graph, gm=gm, nodes=nodes, grad_of=grad_of, meta=dict(graph.meta))
     new.meta["recomputed_layers"] = sorted(groups)
     return new, origin
@@ -132,12 +133,6 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
 def _opt_names(graph: OpGraph):
     """The optimizer's parameter names in the order the gradient markers index them."""
     return graph.param_groups.keys()
-
-
-def _marker(graph: OpGraph):
-    from alpa_torch.capture import GRAD_MARKER
-
-    return GRAD_MARKER
 
 
 def extend_layer_of(layer_of: dict[str, int], origin: dict[str, str]) -> dict[str, int]:

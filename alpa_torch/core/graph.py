@@ -94,9 +94,6 @@ class OpGraph:
     def input_names(self, kind: str) -> list[str]:
         return [s.name for s in self.inputs if s.kind == kind]
 
-    def output_names(self, kind: str) -> list[str]:
-        return [s.name for s in self.outputs if s.kind == kind]
-
     def loss_norms(self, batch: Mapping[str, torch.Tensor], num_microbatches: int = 1) -> dict[str, torch.Tensor]:
         """The inputs the step's mean losses divide by (``masked_mean.py``), from the batch leaves
         ``batch`` (name -> tensor) of the whole batch: each count of the targets that are not ignored

@@ -298,3 +298,11 @@ def simulate(
 def format_schedule(schedules: Schedule) -> str:
     """One line per stage, e.g. ``stage 0: F0 sendA0:0->1 F1 ...``."""
     return "\n".join(f"stage {k}: " + " ".join(map(repr, program)) for k, program in enumerate(schedules))
+
+
+def compute_order(schedule: str, num_stages: int, num_microbatches: int) -> list[list[tuple[str, int]]]:
+    """Per stage, its forwards and backwards in the order the schedule runs them: ``[('F' | 'B',
+    microbatch), ...]`` (what a pipeline stage executes, and what the memory simulation replays)."""
+    make = {"gpipe": gpipe, "1f1b": one_f_one_b}[schedule]
+    return [[("F" if i.kind == FORWARD else "B", i.microbatch) for i in program if i.kind in (FORWARD, BACKWARD)]
+            for program in make(num_stages, num_microbatches)]

@@ -6,6 +6,8 @@ Internal invariants use ``assert``; anything a user can cause raises one of thes
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 class AlpaTorchError(Exception):
     """Base class of every error alpa-torch raises on purpose."""
@@ -69,8 +71,35 @@ class PlannerError(AlpaTorchError, RuntimeError):
         self.traceback_text = traceback_text
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerFailure:
+    """What happened to one device's worker."""
+
+    rank: int
+    host: int
+    """Host index (host-major numbering: ``rank // devices_per_host``)."""
+    pid: int | None
+    hostname: str | None
+    died: bool
+    """The process died (killed, out of memory), as opposed to raising or not answering."""
+    error: str
+    """The worker's exception (with its traceback) or what the group saw."""
+
+
 class WorkerError(AlpaTorchError, RuntimeError):
-    """A worker failed or died while running a step."""
+    """A worker failed or died while running a step; ``failures`` say which and how, ``stages``
+    the pipeline stages they belong to (when the engine knows them)."""
+
+    def __init__(self, message: str, *, failures: tuple[WorkerFailure, ...] = (), stages: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.failures = tuple(failures)
+        self.stages = tuple(stages)
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        """The ranks that died, if any did (they are the cause), else every rank that failed."""
+        died = [f.rank for f in self.failures if f.died]
+        return sorted(died or {f.rank for f in self.failures})
 
 
 class CheckpointError(AlpaTorchError, ValueError):
