@@ -450,7 +450,7 @@ class ParallelStep:
         self._check_open()
         if self.engine is None:
             raise PlanError("the step has not run yet: call it once before asking for its state")
-        full = {k: from_wire(v, copy=True) for k, v in self.engine.gather_state().items()}  # Ray's are read-only
+        full = {k: from_wire(v) for k, v in self.engine.gather_state().items()}
         model_keys = set(self.graph.input_names("param")) | set(self.graph.input_names("buffer"))
         return {
             "model": {k: v for k, v in full.items() if k in model_keys},

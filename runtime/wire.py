@@ -47,13 +47,13 @@ def to_wire(t: torch.Tensor) -> np.ndarray | Bits:
 
 
 def from_wire(value: Any, copy: bool = False) -> torch.Tensor:
-    """The tensor ``to_wire`` sent (CPU); ``copy``: writable memory of its own (arrays read from
-    Ray's object store are read-only)."""
-    if isinstance(value, Bits):
-        data = torch.from_numpy(value.data.copy() if copy else value.data)
-        return data.view(getattr(torch, value.dtype)).reshape(value.shape)
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(value.copy() if copy else value)
+    """The tensor ``to_wire`` sent (CPU). It shares the array's memory unless ``copy`` is asked or the
+    array is read-only (read zero-copy from Ray's object store): a tensor over read-only memory would
+    be written by the first in-place operator."""
+    data = value.data if isinstance(value, Bits) else value
+    if isinstance(data, np.ndarray):
+        t = torch.from_numpy(data.copy() if copy or not data.flags.writeable else data)
+        return t.view(getattr(torch, value.dtype)).reshape(value.shape) if isinstance(value, Bits) else t
     return torch.as_tensor(value)
 
 

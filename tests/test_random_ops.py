@@ -68,7 +68,7 @@ def _masks(batch_spec: str, seed: int, steps: int = 2) -> tuple[list[float], lis
         engine.load_state(to_wire_dict(values))
         losses = [engine.step({"batch.0": batch.numpy()}, functional.host_scalars(i + 1)) for i in range(steps)]
         local = group.call_all(lambda state: _local(state["runner"].state["mask"]))
-    return losses, [from_wire(m, copy=True) for m in local]
+    return losses, [from_wire(m) for m in local]
 
 
 def _local(value):
