@@ -198,11 +198,19 @@ def _entry(name: str) -> PublishedModel:
     return PUBLISHED[name]
 
 
-def hf_config(name: str, *, twin: bool = False):
+DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob",
+                "dropout_rate", "attention_dropout")
+"""Config keys of dropout probabilities (GPT-2, BERT / ViT, T5, LLaMA-style)."""
+
+
+def hf_config(name: str, *, twin: bool = False, dropout: bool = True):
     """The transformers config of ``name``: published values, training changes, and the
-    twin's sizes when ``twin``. Default attention (nothing forces eager)."""
+    twin's sizes when ``twin``; every dropout 0 unless ``dropout``. Default attention
+    (nothing forces eager)."""
     m = _entry(name)
     values = {**m.config, **m.training, **(m.twin if twin else {})}
+    if not dropout:
+        values.update({k: 0.0 for k in DROPOUT_KEYS if k in values})
     return _transformers(m.config_class)(**values)
 
 
@@ -291,12 +299,14 @@ def hf_batch(name: str, config, batch_size: int, seq_len: int, *, device="cpu", 
 
 
 def hf_published(name: str, *, batch_size: int | None = None, seq_len: int | None = None,
-                 optimizer: str = "adamw") -> tuple[nn.Module, torch.optim.Optimizer, dict, Callable]:
+                 optimizer: str = "adamw", dropout: bool = True
+                 ) -> tuple[nn.Module, torch.optim.Optimizer, dict, Callable]:
     """``(model, optimizer, batch, hf_train_step)`` of the published ``name`` on the meta device
-    (no memory, nothing downloaded), at its ``global_batch`` and ``seq_len`` unless given.
+    (no memory, nothing downloaded), at its ``global_batch`` and ``seq_len`` unless given;
+    ``dropout=False`` sets the published dropout probabilities to 0.
     fp32 parameters: with ``capture(..., precision='bf16')`` they are the master weights."""
     m = _entry(name)
-    cfg = hf_config(name)
+    cfg = hf_config(name, dropout=dropout)
     with torch.device("meta"):
         model = _transformers(m.model_class)(cfg)
     model.train()
