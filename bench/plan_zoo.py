@@ -25,7 +25,10 @@ attention dropout: measured on a 2-layer BERT-large at 256 x 512 on 8x8 H100, on
 
 What the captured graphs are (they are priced as captured): HF's default sdpa attention
 traces as its math form (bmm, softmax, bmm: the [batch, heads, seq, seq] scores exist, as
-without a fused FlashAttention kernel), and Mixtral's experts (transformers' grouped_mm,
+without a fused FlashAttention kernel), which upcasts bf16 q, k, v to fp32 (torch's math
+attention does, for accuracy), so attention matmuls are priced at the fp32 peak (H100: 67
+against 989 TFLOP/s): in LLaMA-3-8B at 4096 tokens they are 12 % of the graph's FLOPs and
+about two thirds of its matmul time. Mixtral's experts (transformers' grouped_mm,
 which autocast leaves in fp32) are decomposed into dense masked matmuls
 (``alpa_torch/grouped_mm.py``): every expert on every routed token, 8x the top-2 expert
 FLOPs, at the fp32 rate. Both make the predicted steps slower than fused kernels would.
