@@ -17,6 +17,8 @@ Hugging Face models are built from configs, never downloaded.
     batch2 = make_batch("gpt", batch_size=8, seed=1)
 
 Reading order: ``train_step`` / ``make_optimizer``, then the models, then ``ZOO``.
+Published Hugging Face architectures at full size (on the meta device, for planning) and
+their small twins live in ``zoo_hf.py``.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ cannot run code. The manifest is checked key by key (``check_manifest``); shard
 files must be named ``rank<N>.safetensors``, lie in the directory, and match their
 recorded size and SHA-256.
 
-This module owns the format; ``engine.py`` / ``pipeline_engine.py`` call
+This module owns the format; ``engine.py`` calls
 ``save_runner`` on the workers, ``alpa_torch.api.ParallelStep`` the driver side.
 """
 

@@ -389,9 +389,15 @@ class StageRunner:
         return donating(op, getattr(INPLACE[st.target], "_op", INPLACE[st.target]), st.donate.state, self._owned)
 
     def as_dtensor(self, name: str, value):
-        """``value`` of ``name`` as the DTensor it stands for (a replayed value is a local tensor)."""
+        """``value`` of ``name`` as the DTensor it stands for (a replayed value is a local tensor).
+
+        A value that was a plain tensor when learning (no metadata: a factory operator such as
+        the ``scalar_tensor(0)`` of ``where``'s backward, which reads no DTensor) stays plain,
+        as it was then; a pipeline stage may send it (``pipeline._send`` replicates it)."""
         if self.replaying and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-            return wrap(value, self.meta[name], self.mesh)
+            meta = self.meta.get(name)
+            if meta is not None:
+                return wrap(value, meta, self.mesh)
         return value
 
     def place(self, value, placements):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from alpa_torch.capture import capture
 from alpa_torch.core.cluster import Cluster
@@ -161,3 +162,54 @@ def test_batch_that_does_not_split_is_refused():
     engine.num_microbatches = 3
     with pytest.raises(BatchSplitError, match="divisible by 3"):
         engine.split({"batch.0": np.zeros((8, 4))})
+
+
+class _WhereMLP(torch.nn.Module):
+    """Linear -> where(h > 0, h, 0.0) -> Linear -> ReLU -> Linear: ``where``'s backward makes its zero with
+    ``scalar_tensor(0)``, a factory operator that reads nothing, so the layer rules put it in
+    the last layer while its reader is in the first (the T5 twin's position-bias mask)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.a(x)  # [B, 16]
+        return self.c(torch.relu(self.b(torch.where(h > 0, h, 0.0))))
+
+
+def _ce_step(model, optimizer, batch):
+    optimizer.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_plain_tensor_sent_between_stages_after_the_first_step():
+    """Regression: a value that is a plain tensor on its stage (a factory operator's result, no
+    DTensor metadata) sent to another stage crashed every step after the first (replay wrapped
+    it with metadata it never had: AttributeError 'NoneType' object has no attribute
+    'placements'). Found by the T5 twin (tests/test_hf_twins.py)."""
+    import copy
+
+    from alpa_torch import parallelize
+
+    torch.manual_seed(0)
+    model = _WhereMLP()
+    eager = copy.deepcopy(model)
+    eager_opt, optimizer = make_optimizer("adamw", eager), make_optimizer("adamw", model)
+    step = parallelize(_ce_step, Cluster.local(2, 2), num_stages=2, num_layers=2, plan_cache=False)
+    try:
+        for i in range(3):
+            gen = torch.Generator().manual_seed(i)
+            batch = (torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen))
+            expected = float(_ce_step(eager, eager_opt, batch).detach())
+            assert float(step(model, optimizer, batch)) == pytest.approx(expected, abs=ATOL), f"step {i}"
+        state, plan = step.state_dict(), step.plan
+    finally:
+        step.shutdown()
+    assert [s.num_devices for s in plan.stages] == [2, 2], plan.summary()  # the bug needed DTensor stages
+    for pname, p in eager.named_parameters():
+        torch.testing.assert_close(state["model"][pname], p.detach(), atol=ATOL, rtol=0)

@@ -3,7 +3,7 @@
 Every tensor leaf whose dim 0 is the batch size is cut along dim 0 into equal parts; 0-dim
 tensors and leaves without the batch dimension (a mask shared by every sample) go whole to
 every microbatch. The driver captures the step on one microbatch by this rule and the
-runtime cuts every batch by it (``runtime.pipeline_engine``).
+runtime cuts every batch by it (``runtime.engine``).
 """
 
 from __future__ import annotations
