@@ -92,6 +92,7 @@ def rewrite(gm: fx.GraphModule, batch_nodes: dict[str, str], add_input) -> dict[
         _rewrite_one(graph, fwd, norm)
         out[name] = (by_placeholder[chain[0].name], _count_program(chain, int(fwd.args[4])))
     if out:
+        graph.eliminate_dead_code()  # the counts the sum-reduced losses no longer read
         graph.lint()
         gm.recompile()
     return out
@@ -113,7 +114,7 @@ def _rewrite_one(graph: fx.Graph, fwd: fx.Node, norm: fx.Node) -> None:
     with graph.inserting_after(scale):
         mean = graph.call_function(aten.div.Tensor, (total, scale))
         mean.meta["val"] = total.meta["val"]
-    for user in list(fwd.users):  # getitem(fwd, 0): the loss; getitem(fwd, 1): the count, kept
+    for user in list(fwd.users):  # getitem(fwd, 0): the loss; getitem(fwd, 1): the count
         if user.args[1] == 0:
             user.replace_all_uses_with(mean)
             graph.erase_node(user)

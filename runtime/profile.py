@@ -227,10 +227,12 @@ def _chain_records(n: int, shape: tuple[int, ...]) -> list[tuple]:
     return serialize_graph(fx.GraphModule({}, g))
 
 
+@dataclass(frozen=True)
 class _OneDevice:
     """What ``StageRunner`` asks of a one-device mesh (it then runs plain tensors, no DTensor):
     each worker times the one-device path on its own, without creating process groups."""
 
+    device_type: str
     ndim = 2
 
     @staticmethod
@@ -284,7 +286,7 @@ def _op_overhead(device: torch.device, repeats: int, window_s: float = 0.0) -> d
     mesh = DeviceMesh(device.type, torch.arange(world).view(world, 1))
     out = {}
     short, long = OP_CHAIN_LENGTHS
-    for kind, (m, spec) in (("local", (_OneDevice(), "RR")), ("sharded", (mesh, "S(0)R"))):
+    for kind, (m, spec) in (("local", (_OneDevice(device.type), "RR")), ("sharded", (mesh, "S(0)R"))):
         runs = {n: _chain_runner(n, x, m, spec) for n in (short, long)}
         if window_s > 0:
             out[kind] = 1.0 / _busy_rate(runs[long], long, device, window_s)

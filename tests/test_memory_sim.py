@@ -151,7 +151,7 @@ def test_simulated_peak_matches_the_runtimes_live_heap():
     io = {"inputs": [(s.kind, s.name, s.node) for s in graph.inputs],
           "outputs": [(s.kind, s.name, s.node) for s in graph.outputs]}
     runner = StageRunner(serialize_graph(graph.gm), {k: str(v) for k, v in sharding.value_specs.items()},
-                         {k: [str(s) for s in v] for k, v in sharding.input_specs.items()}, io, _OneDevice())
+                         {k: [str(s) for s in v] for k, v in sharding.input_specs.items()}, io, _OneDevice("cpu"))
     runner.load_state({k: v.detach().clone().numpy() for k, v in values.items()})
     feed = {"batch.0": batch[0].numpy(), "batch.1": batch[1].numpy()}
     feed.update({k: v.numpy() for k, v in graph.loss_norms(feed).items()})  # the mean loss's count

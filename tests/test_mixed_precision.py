@@ -35,6 +35,7 @@ import torch
 from alpa_torch.capture import capture
 from alpa_torch.core.cluster import Cluster
 from alpa_torch.core.errors import PlanError
+from alpa_torch.core.options import PlanOptions
 from alpa_torch.core.plan import graph_fingerprint
 from alpa_torch.optim import FunctionalOptimizer, LossScaler
 from alpa_torch.plan_cache import cache_key, key_fields
@@ -102,7 +103,7 @@ def test_bf16_capture_casts_weights_and_keeps_fp32_master_state(bf16_gpt):
     other = dataclasses.replace(g, meta={**g.meta, "precision": "fp32"})
     assert graph_fingerprint(g) != graph_fingerprint(other)
     cluster = Cluster.local(1, 2)
-    assert cache_key(key_fields(g, cluster, {})) != cache_key(key_fields(other, cluster, {}))
+    assert cache_key(key_fields(g, cluster, PlanOptions())) != cache_key(key_fields(other, cluster, PlanOptions()))
 
 
 def test_fp16_capture_has_loss_scaler_state_and_keeps_phases(bf16_gpt):

@@ -162,8 +162,8 @@ def _updates_on_param_stage(graph, stage_of: dict[str, int]) -> None:
         home = stored.get((out.kind, out.name))
         if out.kind == "loss" or home is None:
             continue
-        if out.kind == "opt_state":
-            home = stored[("param", out.name.rsplit(".", 1)[0])]
+        if out.kind == "opt_state":  # a parameter's state lives with it; the loss scaler's is its own
+            home = stored.get(("param", out.name.rsplit(".", 1)[0]), home)
         stack = [out.node]
         while stack:
             name = stack.pop()
