@@ -39,6 +39,7 @@ import functools
 import inspect
 import logging
 import math
+import statistics
 import time
 import warnings
 import weakref
@@ -65,6 +66,7 @@ from runtime.wire import from_wire, to_wire_dict
 from stage_dp.coupling import loss_combine
 from stage_dp.planner import check_plan
 
+from . import tune as tuner
 from .batch import BatchLayout, check_indices, index_rules
 from .capture import capture, check_precision
 from .optim import FunctionalOptimizer, LossScaler
@@ -91,7 +93,8 @@ class ParallelStep:
     def __init__(self, train_step: Callable, cluster: Cluster | None = None, *, plan=None,
                  options: PlanOptions | None = None, progress: Callable[[str], None] | None = None,
                  precision: str = "fp32", plan_cache: bool | str | None = None, max_restarts: int = 0,
-                 checkpoint_dir: str | None = None, checkpoint_every: int = 1, **option_fields: Any):
+                 checkpoint_dir: str | None = None, checkpoint_every: int = 1, tune: bool | None = None,
+                 **option_fields: Any):
         """See ``parallelize``; ``option_fields``: ``PlanOptions``'s fields (or ``options``)."""
         _check_reliability_options(max_restarts, checkpoint_dir, checkpoint_every)
         functools.update_wrapper(self, train_step)  # the decorated step keeps its name and docstring
@@ -106,7 +109,10 @@ class ParallelStep:
         except TypeError as exc:  # an unknown keyword: name the options there are
             raise TypeError(f"parallelize: {exc}. Its options are PlanOptions's fields "
                             f"({', '.join(f.name for f in dataclasses.fields(PlanOptions))}), plan, progress, "
-                            "precision, plan_cache, max_restarts, checkpoint_dir, checkpoint_every") from None
+                            "precision, plan_cache, max_restarts, checkpoint_dir, checkpoint_every, tune") from None
+        self.tune = tuner.enabled(tune)
+        self.tuning: list[dict] = []
+        """The candidates of measured plan selection (``alpa_torch.tune.Candidate.to_dict``), in order."""
         self.progress = progress
         self.plan_cache = PlanCache.from_option(plan_cache)
         self._layout: BatchLayout | None = None
@@ -166,8 +172,13 @@ class ParallelStep:
         ``PlanOptions`` fields that replace the step's own for this planning."""
         self.graph = self._capture(model, optimizer, batch)
         options = self.options.replace(**override)
+        choice = None if self.forced_plan is not None or not self.tune else \
+            tuner.cached_choice(self.plan_cache, self.graph, self.cluster, options)
         if self.forced_plan is not None:
             self.plan, self.plan_source = self._load_plan(self.forced_plan), "forced"
+        elif choice is not None:
+            self.plan, self.plan_source = choice, "measured (cache)"
+            self.tuning = choice.options.get("tuning", [])
         else:
             self.plan, self.plan_source = cached_plan(self.plan_cache, self.graph, self.cluster, options,
                                                       self.progress)
@@ -219,6 +230,8 @@ class ParallelStep:
         t1 = time.perf_counter()
         self._launch(values)
         log.info("planned in %.2f s, deployed in %.2f s", t1 - t0, time.perf_counter() - t1)
+        if self.tune and self.plan_source in ("search", "cache"):
+            self._tune(model, optimizer, batch, values)
         if self.checkpoint_dir is not None:
             self._warn_overwrite()
             self.save(self.checkpoint_dir)  # the state a restart before the first periodic save returns to
@@ -234,6 +247,49 @@ class ParallelStep:
         except BaseException:
             self._stop_workers()
             raise
+
+    def _tune(self, model, optimizer, batch, values: dict[str, torch.Tensor]) -> None:
+        """Measured plan selection (``alpa_torch.tune``): run the candidates the cost model cannot
+        tell apart on the workers, keep the fastest, load ``values`` into it."""
+        t0 = time.perf_counter()
+        cands = tuner.candidates(self.plan, self.graph, self.cluster, self.options, self.plan_cache, self.progress)
+        if len(cands) == 1:
+            return
+        trials = tuner.to_measure(cands)
+        if len(trials) == 1:  # the cost model tells them apart: nothing to measure
+            kept = trials[0]
+            kept.note = f"the only candidate predicted within {tuner.MARGIN:g}x of the fastest"
+        else:
+            leaves = self._batch_leaves(batch)
+            scalars = self._functional.host_scalars(self._step + 1)
+            deployed = cands[0]  # _launch deployed the searched plan
+            for c in trials:
+                if c is not deployed:
+                    self._use(c.plan, model, optimizer, batch, values)
+                    deployed = c
+                times = []
+                for _ in range(tuner.STEPS):
+                    t = time.perf_counter()
+                    self.engine.step(leaves, scalars)
+                    times.append(time.perf_counter() - t)
+                c.measured_s = statistics.median(times[tuner.SKIP:])
+            kept = tuner.keep(cands)
+        if kept is not cands[0] or len(trials) > 1:  # the trial steps changed the state: load it again
+            self._use(kept.plan, model, optimizer, batch, values)
+        tuner.store_choice(self.plan_cache, self.graph, self.cluster, self.options, cands, kept)
+        self.tuning = kept.plan.options["tuning"]
+        self.plan_source = f"measured ({self.plan_source})"
+        text = tuner.report(self.tuning)
+        log.info("%s\n(%.1f s)", text, time.perf_counter() - t0)
+        if self.progress is not None:
+            self.progress(text)
+
+    def _use(self, plan: ParallelPlan, model, optimizer, batch, values: dict[str, torch.Tensor]) -> None:
+        """Deploy ``plan`` on the running workers and load ``values`` into it."""
+        self.plan = plan
+        self.run_graph = self._runtime_graph(model, optimizer, batch)
+        self.engine = self._deploy()
+        self.engine.load_state(to_wire_dict(values))
 
     def _run_step(self, leaves: dict) -> float:
         """One step on the workers; on a ``WorkerError`` restart from the last checkpoint and retry it."""
@@ -587,8 +643,11 @@ def parallelize(train_step: Callable | Cluster | None = None, cluster: Cluster |
     ``$ALPA_TORCH_CACHE`` or ``~/.cache/alpa_torch/plans``), ``checkpointing``
     (activation checkpointing: 'auto' recomputes layers only where a stage would
     not fit otherwise or where that makes the plan faster, 'none', 'full' = every
-    layer, or a number of bytes per device the stages must fit in). The default
-    cluster is ``Cluster.local(1, 2)``.
+    layer, or a number of bytes per device the stages must fit in), ``tune`` (default
+    True unless ``$ALPA_TORCH_TUNE`` is 0: where the cost model cannot tell the searched
+    plan, the best one-stage plan and the data-parallel plan apart, the first call runs
+    each for a few steps on the cluster and keeps the fastest measured, remembered in the
+    plan cache; ``step.tuning`` lists them; ``alpa_torch.tune``). The default cluster is ``Cluster.local(1, 2)``.
 
     Mixed precision: ``precision`` is 'fp32' (default), 'bf16' or 'fp16'. With 'bf16' /
     'fp16' the step's forward and loss run under ``torch.autocast`` (matmuls in the low

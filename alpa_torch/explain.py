@@ -44,6 +44,8 @@ import re
 from alpa_torch.core.cluster import GiB
 from alpa_torch.core.plan import ParallelPlan, _ranges
 
+from .tune import report
+
 log = logging.getLogger(__name__)
 _MS = 1e3
 MEMORY_TIGHT = 0.95
@@ -204,6 +206,8 @@ def explain(plan: ParallelPlan, top: int = 8) -> str:
               f"{slow.compute_s * _MS:.3f}, comm {slow.comm_s * _MS:.3f}); "
               f"it is {'communication' if slow.comm_s > slow.compute_s else 'compute'}-bound."]
     lines += ["", *_runner_ups(plan, top)]
+    if plan.options.get("tuning"):  # measured plan selection kept this plan
+        lines += ["", report(plan.options["tuning"])]
     stats = {k: plan.options[k] for k in ("plan_s", "num_ilps", "ilp_s", "dp_tmax_evaluated", "layering")
              if k in plan.options}
     if stats:

@@ -244,18 +244,25 @@ def block_ranges(n_layer: int, num_stages: int) -> list[tuple[int, int]]:
 
 
 def pipeline_rank(cfg: BenchConfig, rank: int, world: int, schedule: str = "1f1b"):
-    """(schedule, optimizer) of this rank's ``torch.distributed.pipelining`` stage: blocks
-    ``block_ranges(cfg.n_layer, world)[rank]``, ``cfg.microbatches`` microbatches."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    """(schedule, optimizer) of this rank's ``torch.distributed.pipelining`` stages, ``cfg.microbatches``
+    microbatches: for 'gpipe' and '1f1b' one stage, blocks ``block_ranges(cfg.n_layer, world)[rank]``;
+    for 'interleaved' (``ScheduleInterleaved1F1B``) two of ``2 * world`` stages, ``rank`` and
+    ``rank + world`` (its loop order)."""
+    from torch.distributed import pipelining as pp
 
-    lo, hi = block_ranges(cfg.n_layer, world)[rank]
-    module = _StageModule(build_model(cfg), lo, hi)
-    opt = make_optimizer("adamw", module)
-    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    loops = 2 if schedule == "interleaved" else 1
+    ranges = block_ranges(cfg.n_layer, world * loops)
+    gpt = build_model(cfg)
+    modules = [_StageModule(gpt, *ranges[rank + k * world]) for k in range(loops)]
+    opt = make_optimizer("adamw", nn.ModuleList(modules))
+    stages = [pp.PipelineStage(m, rank + k * world, world * loops, torch.device("cpu"))
+              for k, m in enumerate(modules)]
     # scale_grads=True (default): gradients are divided by the microbatch count,
     # so with a mean loss per microbatch they equal the full-batch gradient.
-    kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
-    return kind(stage, cfg.microbatches, loss_fn=lm_loss), opt
+    if schedule == "interleaved":
+        return pp.ScheduleInterleaved1F1B(stages, cfg.microbatches, loss_fn=lm_loss), opt
+    kind = {"1f1b": pp.Schedule1F1B, "gpipe": pp.ScheduleGPipe}[schedule]
+    return kind(stages[0], cfg.microbatches, loss_fn=lm_loss), opt
 
 
 def pipeline_step(schedule, opt, rank: int, world: int, idx: torch.Tensor, tgt: torch.Tensor) -> float | None:

@@ -1,4 +1,8 @@
-"""alpa-torch's runtime against hand-written PyTorch on the same model, batch and devices.
+"""Diagnostic, forced plans: alpa-torch's runtime against hand-written PyTorch on the same model, batch and devices.
+
+Every case here runs a plan forced into its baseline's shape (the planner does not choose
+it): this measures the runtime, not the planner. What a user gets from ``parallelize`` with
+default options against PyTorch's tools is ``bench/vs_pytorch.py``.
 
 Usage (from the repository root; about 5 minutes on a 2-core machine)::
 
@@ -363,7 +367,7 @@ def run_alpa_pipeline(cfg: BenchConfig, num_stages: int, breakdown: bool = False
 def _case_line(case: str, cluster: str, cfg: BenchConfig, alpa: dict, torch_res: dict, eager: dict) -> dict:
     alpa_s = median(alpa["times"][cfg.warmup_steps:])
     line = {
-        "case": case, "model": cfg.describe(), "cluster": cluster, "steps": cfg.timed_steps,
+        "case": case, "forced_plan": True, "model": cfg.describe(), "cluster": cluster, "steps": cfg.timed_steps,
         "alpa_step_s": round(alpa_s, 4), "torch_step_s": round(torch_res["step_s"], 4),
         "ratio": round(alpa_s / torch_res["step_s"], 3),
         "alpa_peak_rss_mb": round(alpa["peak_rss_mb"], 1), "torch_peak_rss_mb": round(max(torch_res["peak_rss_mb"]), 1),

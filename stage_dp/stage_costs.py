@@ -47,10 +47,11 @@ Variants (``MeshConfig.variant``), each its own column of the DP:
 
 In the memory rows of ``lean`` / ``min`` ILPs activations weigh
 ``activation_scale`` (one microbatch of the largest candidate B).
-``sharding=False``: only (n, 1) meshes, and parameters, optimizer state and
-buffers are forced replicated (a 1e3 s penalty on every other spec): every
-device holds the whole model state, as in data parallelism (the ILP still
-picks how each operator splits its work; the batch dim is the cheap one).
+``sharding=False``: only (n, 1) meshes, and parameters, optimizer state,
+buffers and the update's operators are forced replicated (a 1e3 s penalty on
+every other spec): every device holds the whole model state and updates all of
+it, as in data parallelism (the ILP still picks how each forward and backward
+operator splits its work; the batch dim is the cheap one).
 """
 
 from __future__ import annotations
@@ -558,9 +559,11 @@ def _latency_s(mesh: cm.MeshCost, src, dst, shape, itemsize: int) -> float:
 
 
 def _with_replicated_state(instance, builder, graph):
-    """A copy of ``instance`` where parameters, optimizer state and buffers pay
-    ``REPLICATE_PENALTY_S`` for any spec but Replicate (``sharding=False``)."""
+    """A copy of ``instance`` where parameters, optimizer state, buffers and the optimizer's update
+    pay ``REPLICATE_PENALTY_S`` for any spec but Replicate (``sharding=False``): every device holds
+    the whole state and runs the whole update on the reduced gradients, as DDP does."""
     state = {s.node for s in graph.inputs if s.kind in ("param", "opt_state", "buffer")}
+    state |= {n for n, f in graph.nodes.items() if f.phase == "update"}
     nodes = []
     for node in instance.nodes:
         if node.name in state:

@@ -19,19 +19,15 @@ _SESSION_HOSTS, _SESSION_DEVICES_PER_HOST = 2, 4
 
 
 @pytest.fixture(scope="session", autouse=True)
-def isolated_plan_cache(tmp_path_factory) -> Iterator[None]:
-    """Plans cached by tests go to a fresh directory, never the user's ~/.cache."""
-    import os
-
-    old = os.environ.get("ALPA_TORCH_CACHE")
-    os.environ["ALPA_TORCH_CACHE"] = str(tmp_path_factory.mktemp("plan_cache"))
-    try:
+def test_environment(tmp_path_factory) -> Iterator[None]:
+    """Plans cached by tests go to a fresh directory, never the user's ~/.cache; steps plan by
+    the cost model alone (``ALPA_TORCH_TUNE=0``): measured plan selection runs each candidate for
+    a few steps, seconds per ``parallelize`` that the many short runs here would pay hundreds of
+    times (``tests/test_tune.py`` passes ``tune=True``)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ALPA_TORCH_CACHE", str(tmp_path_factory.mktemp("plan_cache")))
+        mp.setenv("ALPA_TORCH_TUNE", "0")
         yield
-    finally:
-        if old is None:
-            os.environ.pop("ALPA_TORCH_CACHE", None)
-        else:
-            os.environ["ALPA_TORCH_CACHE"] = old
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,173 @@
+"""Measured plan selection: where the cost model cannot tell plans apart, run them and keep the fastest.
+
+The cost model's step times miss by up to about 2x on shared CPU cores (``bench/fidelity.py``,
+docs/benchmarks.md), enough to rank a pipeline above plain data parallelism that measures
+faster. So ``parallelize`` (``tune=True``, the default) treats its prediction as a short list:
+
+- the candidates (``candidates``) are the plan of the search (the stage DP over pipelines
+  and submeshes, the ILP on each stage), the best one-stage plan (``pipeline=False``: the
+  ILP's sharding over the whole cluster) and the data-parallel one-stage plan
+  (``pipeline=False, sharding=False``: the batch split, state and update replicated, what
+  DDP runs), each planned on the same captured graph within the user's options (one the
+  options rule out is not a candidate), and each cached under its own options; equal plans
+  count once;
+- a candidate predicted within ``MARGIN`` times the fastest prediction is measured
+  (``ParallelStep._tune``): deployed on the step's workers, loaded with the initial state,
+  run ``STEPS`` steps on the first batch with the results thrown away, timed from step
+  ``SKIP`` + 1 on (the first step runs through DTensor, the second records the replay);
+- the fastest measured is kept, the initial state loaded into it, and training starts.
+  The choice and its measurements are stored in the plan cache beside the searched plan
+  (``tuned_fields``), so the next run of this step on this cluster takes it at once.
+
+Whatever plan is kept, the step trains as eagerly: every candidate is a plan of the same
+step, and the trial steps leave no trace (the state is loaded again; random operators are
+seeded by step number, ``runtime/rng.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Callable
+
+from alpa_torch.core.cluster import Cluster
+from alpa_torch.core.errors import PlanError
+from alpa_torch.core.graph import OpGraph
+from alpa_torch.core.options import PlanOptions
+from alpa_torch.core.plan import ParallelPlan
+
+from .plan_cache import PlanCache, cached_plan, key_fields, plan_decisions
+
+log = logging.getLogger(__name__)
+
+MARGIN = 2.0
+"""A candidate predicted slower than ``MARGIN`` x the fastest prediction is not measured."""
+STEPS = 4
+"""Trial steps per measured candidate."""
+SKIP = 2
+"""Trial steps not timed (DTensor's first run, the replay's recording)."""
+TUNE_VERSION = 1
+"""Part of the cache key of a measured choice: a change of the rules above misses."""
+ENV_VAR = "ALPA_TORCH_TUNE"
+"""``ALPA_TORCH_TUNE=0``: the default of ``tune`` is False (the test suite runs so; see tests/conftest.py)."""
+
+
+def enabled(option: bool | None) -> bool:
+    """``tune`` as given, or (None) True unless ``$ALPA_TORCH_TUNE`` is 0."""
+    if option is None:
+        return os.environ.get(ENV_VAR, "1") != "0"
+    if not isinstance(option, bool):
+        raise PlanError(f"tune={option!r} must be True, False or None (the default: ${ENV_VAR}, else True)")
+    return option
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One plan ``parallelize`` may keep."""
+
+    label: str
+    """'search', 'one stage' or 'data parallel'."""
+    plan: ParallelPlan
+    measured_s: float | None = None
+    """Median step time of the timed trial steps; None: not measured."""
+    note: str = ""
+    """Why it was not measured, or why it was kept."""
+
+    def to_dict(self, kept: bool) -> dict:
+        return {"label": self.label, "plan": self.plan.summary(), "predicted_s": self.plan.predicted_step_s,
+                "measured_s": self.measured_s, "note": self.note, "kept": kept}
+
+
+def variants(options: PlanOptions) -> list[tuple[str, PlanOptions]]:
+    """The options of the other candidates (module docstring), within what ``options`` allow."""
+    if options.submesh is not None or options.num_stages not in (None, 1):
+        return []  # the user fixed the stages' shape or count
+    out = []
+    if options.pipeline and options.num_stages is None:
+        out.append(("one stage", options.replace(pipeline=False)))
+    if options.sharding:
+        out.append(("data parallel", options.replace(pipeline=False, sharding=False, num_stages=None)))
+    return out
+
+
+def candidates(searched: ParallelPlan, graph: OpGraph, cluster: Cluster, options: PlanOptions,
+               cache: PlanCache | None, progress: Callable[[str], None] | None = None) -> list[Candidate]:
+    """The searched plan, then the variants' plans that differ from every earlier one."""
+    out = [Candidate("search", searched)]
+    seen = [_decisions(searched)]
+    for label, opts in variants(options):
+        try:
+            plan, _ = cached_plan(cache, graph, cluster, opts, progress)
+        except PlanError as exc:  # e.g. no one-stage plan fits the memory
+            log.info("no %s candidate: %s", label, str(exc).splitlines()[0])
+            continue
+        if _decisions(plan) not in seen:
+            out.append(Candidate(label, plan))
+            seen.append(_decisions(plan))
+    return out
+
+
+def to_measure(cands: list[Candidate]) -> list[Candidate]:
+    """The candidates predicted within ``MARGIN`` of the fastest prediction; the others get a note."""
+    fastest = min(c.plan.predicted_step_s for c in cands)
+    chosen = []
+    for c in cands:
+        if c.plan.predicted_step_s <= MARGIN * fastest:
+            chosen.append(c)
+        else:
+            c.note = f"predicted {c.plan.predicted_step_s / fastest:.1f}x the fastest prediction: not measured"
+    return chosen
+
+
+def keep(cands: list[Candidate]) -> Candidate:
+    """The fastest measured candidate (two or more were), with a note saying why it was kept."""
+    best, runner = sorted((c for c in cands if c.measured_s is not None), key=lambda c: c.measured_s)[:2]
+    best.note = (f"fastest measured: {best.measured_s * 1e3:.1f} ms against {runner.measured_s * 1e3:.1f} ms "
+                 f"of the {runner.label} plan")
+    return best
+
+
+def report(tuning: list[dict]) -> str:
+    """A text table of the candidates (``Candidate.to_dict``): predicted and measured step time,
+    which was kept and why."""
+    rows = [("candidate", "plan", "predicted ms", "measured ms", "")]
+    for t in tuning:
+        rows.append((t["label"] + (" (kept)" if t["kept"] else ""), t["plan"], f"{t['predicted_s'] * 1e3:.1f}",
+                     "-" if t["measured_s"] is None else f"{t['measured_s'] * 1e3:.1f}", t["note"]))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+    return "measured plan selection (tune=True):\n" + "\n".join(lines)
+
+
+def tuned_fields(graph: OpGraph, cluster: Cluster, options: PlanOptions) -> dict:
+    """The plan cache key of the measured choice for ``options``."""
+    return {**key_fields(graph, cluster, options), "tuned": TUNE_VERSION}
+
+
+def cached_choice(cache: PlanCache | None, graph: OpGraph, cluster: Cluster,
+                  options: PlanOptions) -> ParallelPlan | None:
+    """The measured choice of an earlier run, or None."""
+    if cache is None:
+        return None
+    hit = cache.get(tuned_fields(graph, cluster, options), graph, cluster)
+    return None if hit is None else hit[0]
+
+
+def store_choice(cache: PlanCache | None, graph: OpGraph, cluster: Cluster, options: PlanOptions,
+                 cands: list[Candidate], kept: Candidate) -> None:
+    """Store the kept plan, with every candidate's measurements in its ``options['tuning']``."""
+    kept.plan.options["tuning"] = [c.to_dict(c is kept) for c in cands]
+    if cache is not None:
+        cache.put(tuned_fields(graph, cluster, options), kept.plan)
+
+
+def _decisions(plan: ParallelPlan) -> str:
+    d = plan_decisions(plan)
+    d.pop("options", None)
+    return json.dumps(d, sort_keys=True)
+
+
+__all__ = ["ENV_VAR", "MARGIN", "SKIP", "STEPS", "Candidate", "cached_choice", "candidates", "enabled", "keep",
+           "report", "store_choice", "to_measure", "tuned_fields", "variants"]

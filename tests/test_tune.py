@@ -1,0 +1,104 @@
+"""Measured plan selection (``alpa_torch.tune``): the candidates, the rules, and a tuned step equal to eager."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from alpa_torch import Cluster, parallelize
+from alpa_torch import tune as tuner
+from alpa_torch.core.errors import PlanError
+from alpa_torch.core.options import PlanOptions
+from alpa_torch.zoo import ZOO, make_batch, make_optimizer, train_step
+
+
+def test_variants_stay_within_the_users_options():
+    labels = lambda o: [label for label, _ in tuner.variants(o)]  # noqa: E731
+    assert labels(PlanOptions()) == ["one stage", "data parallel"]
+    assert labels(PlanOptions(pipeline=False)) == ["data parallel"]
+    assert labels(PlanOptions(sharding=False)) == ["one stage"]
+    assert labels(PlanOptions(num_stages=2)) == labels(PlanOptions(submesh=(1, 1))) == []
+    for _, opts in tuner.variants(PlanOptions(num_microbatches=2)):
+        assert opts.num_microbatches == 2 and not opts.pipeline
+
+
+def test_tune_option_and_environment(monkeypatch):
+    monkeypatch.delenv(tuner.ENV_VAR, raising=False)
+    assert tuner.enabled(None) and not tuner.enabled(False)
+    monkeypatch.setenv(tuner.ENV_VAR, "0")
+    assert not tuner.enabled(None) and tuner.enabled(True)
+    with pytest.raises(PlanError, match="tune='yes'"):
+        tuner.enabled("yes")
+
+
+def _plans():
+    """A searched plan and two others of the same graph, planned with no cluster work."""
+    from alpa_torch.capture import capture
+    from stage_dp.planner import make_plan
+
+    model, batch = ZOO["gpt"]()
+    graph = capture(train_step, model, make_optimizer("adamw", model), batch)
+    cluster = Cluster.local(1, 2)
+    return graph, cluster, make_plan(graph, cluster)
+
+
+def test_rules_measure_close_predictions_and_keep_the_fastest_measured():
+    graph, cluster, plan = _plans()
+    slow = dataclasses.replace(plan, predicted_step_s=plan.predicted_step_s * (tuner.MARGIN + 0.5))
+    close = dataclasses.replace(plan, predicted_step_s=plan.predicted_step_s * 1.5)
+    cands = [tuner.Candidate("search", plan), tuner.Candidate("one stage", close),
+             tuner.Candidate("data parallel", slow)]
+    trials = tuner.to_measure(cands)
+    assert [c.label for c in trials] == ["search", "one stage"] and "not measured" in cands[2].note
+    cands[0].measured_s, cands[1].measured_s = 0.2, 0.1  # the prediction was wrong: the measurement decides
+    kept = tuner.keep(cands)
+    assert kept is cands[1] and "100.0 ms" in kept.note and "search" in kept.note
+    text = tuner.report([c.to_dict(c is kept) for c in cands])
+    assert "one stage (kept)" in text and "not measured" in text and "search (kept)" not in text
+
+
+def test_candidates_differ_and_come_from_the_options(tmp_path):
+    graph, cluster, plan = _plans()
+    cands = tuner.candidates(plan, graph, cluster, PlanOptions(), cache=None)
+    assert cands[0].plan is plan and len({c.label for c in cands}) == len(cands)
+    assert all(len(c.plan.stages) == 1 for c in cands[1:])
+    assert len({tuner._decisions(c.plan) for c in cands}) == len(cands)
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_tuned_step_trains_as_eager_and_its_choice_is_cached(tmp_path):
+    """The zoo GPT on 1x2 with tune=True: every candidate within the margin measured, the kept
+    plan trains equal to eager from the initial state (the trial steps leave no trace); a second
+    step on the same cache takes the measured choice with no measuring."""
+    torch.manual_seed(0)
+    model, _ = ZOO["gpt"]()
+    eager = copy.deepcopy(model)
+    opt, eager_opt = make_optimizer("adamw", model), make_optimizer("adamw", eager)
+    messages = []
+    step = parallelize(train_step, Cluster.local(1, 2), tune=True, plan_cache=str(tmp_path), progress=messages.append)
+    try:
+        for i in range(3):
+            batch = make_batch("gpt", 8, seed=i)
+            want = float(train_step(eager, eager_opt, batch).detach())
+            assert float(step(model, opt, batch)) == pytest.approx(want, abs=1e-5), i
+        state = step.state_dict()
+        tuning, kept = step.tuning, step.plan
+    finally:
+        step.shutdown()
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(state["model"][name], p.detach(), atol=1e-5, rtol=0, msg=name)
+    assert len(tuning) >= 2 and sum(t["measured_s"] is not None for t in tuning) >= 2, tuning
+    assert any("measured plan selection" in m for m in messages)
+    assert step.plan_source.startswith("measured")
+
+    again = parallelize(train_step, Cluster.local(1, 2), tune=True, plan_cache=str(tmp_path))
+    model2, _ = ZOO["gpt"]()
+    try:
+        again(model2, make_optimizer("adamw", model2), make_batch("gpt", 8, seed=0))
+        assert again.plan_source == "measured (cache)" and again.plan.summary() == kept.summary()
+        assert again.tuning == tuning
+    finally:
+        again.shutdown()
