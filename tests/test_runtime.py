@@ -74,9 +74,9 @@ def run_case(name, cluster, mesh, opt="adamw", steps=3, force=None, probe=None, 
             probe["result"] = group.call_all(probe["read"])
         final = engine.gather_state()
     for pname, p in eager.named_parameters():
-        torch.testing.assert_close(torch.from_numpy(final[pname]), p.detach(), atol=ATOL, rtol=0)
+        torch.testing.assert_close(torch.tensor(final[pname]), p.detach(), atol=ATOL, rtol=0)
     for bname, b in eager.named_buffers():
-        torch.testing.assert_close(torch.from_numpy(final[bname]), b, atol=ATOL, rtol=0)
+        torch.testing.assert_close(torch.tensor(final[bname]), b, atol=ATOL, rtol=0)
     return sharding
 
 
