@@ -33,6 +33,10 @@ executes them in buckets (``GradBuckets``):
   chunk of the all-reduced value: on gloo an all-reduce is 3-4x faster per
   byte than a reduce-scatter, docs/design.md).
 
+A gradient the plan keeps partial through its marker (the ILP may price reducing it at each of
+the update's readers: an all-reduce per reader, blocking) is reduced once, at the marker, in a
+bucket, when every reader wants the same placements (``_at_readers``).
+
 Equivalence: the result is the same sum of partials, in fp32; only the order
 in which the collective adds the devices' summands may differ from the
 per-tensor collective (a few ulps on more than 2 devices; bit-identical on 2).
@@ -87,16 +91,35 @@ def find_reductions(records: list[tuple], value_specs: dict, input_specs: dict,
     placement tuples (``value_specs[name]``, ``input_specs[name][j]`` for tensor input j)."""
     by_name = {r[1]: r for r in records}
     readers: dict[str, int] = {}
+    wants: dict[str, list] = {}
     for r in records:
-        for a in r[5]:
+        for j, a in enumerate(r[5]):
             readers[a] = readers.get(a, 0) + 1
+            specs = input_specs.get(r[1])
+            wants.setdefault(a, []).append(tuple(specs[j]) if specs and j < len(specs) else None)
     out = {}
     for r in records:
         if r[0] == "call_function" and str(r[2]) == marker_name:
-            found = _walk_back(r, by_name, readers, value_specs, input_specs)
+            found = (_walk_back(r, by_name, readers, value_specs, input_specs)
+                     or _at_readers(r, wants.get(r[1], []), value_specs))
             if found is not None:
                 out[r[1]] = found
     return out
+
+
+def _at_readers(marker, wants: list, value_specs) -> GradReduction | None:
+    """A gradient the plan keeps partial through its marker (an optimizer's update reads it; the
+    ILP chose to reduce it at each reader, a blocking collective per reader): when every reader
+    wants the same placements, reduced once at the marker, in a bucket, instead."""
+    have = value_specs.get(marker[1])
+    if have is None or not wants or len(set(wants)) != 1 or wants[0] is None or len(wants[0]) != len(have):
+        return None
+    want = wants[0]
+    axes = tuple(a for a, p in enumerate(have) if p != want[a])
+    if (not axes or any(not _is_sum(have[a]) or want[a].is_partial() for a in axes)
+            or any(p.is_partial() for a, p in enumerate(have) if a not in axes)):
+        return None
+    return GradReduction(marker[1], axes, tuple(want[a] for a in axes), ())
 
 
 def _walk_back(marker, by_name, readers, value_specs, input_specs) -> GradReduction | None:

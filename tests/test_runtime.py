@@ -325,6 +325,25 @@ def test_embedding_backward_runs_on_the_partial_gradient():
     assert find_reductions(records, value_specs, input_specs, "alpa.grad.default") == {}
 
 
+def test_gradient_kept_partial_through_its_marker_is_reduced_there_once():
+    """A gradient the plan leaves partial at its marker, reduced at each of the update's readers
+    (two blocking all-reduces), is reduced once at the marker in a bucket when every reader wants
+    the same placements; readers that want different placements keep the plan's collectives."""
+    from runtime.grad_buckets import find_reductions
+
+    records = [("placeholder", "g", "g", (), {}, ()),
+               ("call_function", "grad", "alpa.grad.default", (), {}, ("g",)),
+               ("call_function", "lerp", "aten.lerp.Tensor", (), {}, ("m", "grad")),
+               ("call_function", "addcmul", "aten.addcmul.default", (), {}, ("v", "grad", "grad"))]
+    pr, rr, sr = _specs("PR", "RR", "S(0)R")
+    value_specs = {"g": pr, "grad": pr}
+    input_specs = {"grad": [pr], "lerp": [rr, rr], "addcmul": [rr, rr, rr]}
+    red = find_reductions(records, value_specs, input_specs, "alpa.grad.default")["grad"]
+    assert red.axes == (0,) and red.target == (rr[0],) and red.deferred == ()
+    input_specs["lerp"] = [sr, sr]
+    assert find_reductions(records, value_specs, input_specs, "alpa.grad.default") == {}
+
+
 def _install_redistribution_log(state):
     """Log every DTensor redistribution in this worker: (from, to, local shape)."""
     from torch.distributed.tensor import _api, _dispatch, _redistribute
