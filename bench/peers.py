@@ -67,6 +67,7 @@ from _common import (
     select,
 )
 from _plans import dumps, machine_info, plan_deployer, profiled_cluster, run_on_workers, workload
+from vs_pytorch import _fsdp2_worker
 
 from alpa_torch.zoo import lm_loss, make_optimizer
 
@@ -87,22 +88,6 @@ def _single_worker(rank, world, port, cfg, queue):
     model = build_model(cfg)
     opt = make_optimizer("adamw", model)
     times, losses = _timed_loop(cfg, _data_parallel_step(model, opt, cfg, 0, 1))
-    _report(rank, world, times, losses, base, queue)
-
-
-def _fsdp2_worker(rank, world, port, cfg, queue):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    _init_rank(rank, world, port)
-    base = current_rss_mb()
-    mesh = init_device_mesh("cpu", (world,))
-    model = build_model(cfg)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = make_optimizer("adamw", model)
-    times, losses = _timed_loop(cfg, _data_parallel_step(model, opt, cfg, rank, world))
     _report(rank, world, times, losses, base, queue)
 
 

@@ -17,7 +17,6 @@ run sets a bigger one: ``ALPA_TORCH_FUZZ_EXAMPLES=200 python -m pytest tests/tes
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 from typing import NamedTuple
@@ -28,11 +27,12 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from alpa_torch import AlpaTorchError, Cluster, parallelize
+from alpa_torch import Cluster
+
+from .test_semantics import compare
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 EXAMPLES = int(os.environ.get("ALPA_TORCH_FUZZ_EXAMPLES", "8"))
-ATOL = 1e-5
 IN, CLASSES, BATCH = 12, 6, 8
 
 
@@ -150,13 +150,6 @@ def plan_options(case) -> dict:
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(cases())
 def test_parallel_step_equals_eager_or_refuses_by_name(case):
-    torch.manual_seed(0)
-    eager = Net(case["depth"], case["width"], case["tied"], case["frozen"])
-    model = copy.deepcopy(eager)
-    eager_opt, opt = make_optimizer(case, eager), make_optimizer(case, model)
-    eager_sched, sched = make_scheduler(case, eager_opt), make_scheduler(case, opt)
-    train_step = make_step(case)
-    step = parallelize(train_step, Cluster.local(*case["cluster"]), **plan_options(case))
     gen = torch.Generator().manual_seed(1)
     labels = [torch.randint(0, CLASSES, (BATCH,), generator=gen) for _ in case["weights"]]
     if case["padded"]:  # ignored labels (-100), a different number in each half of each batch
@@ -164,20 +157,10 @@ def test_parallel_step_equals_eager_or_refuses_by_name(case):
             y[: i + 1] = -100
     batches = [_pack(torch.randn(BATCH, IN, generator=gen), y, w, case["container"])
                for y, w in zip(labels, case["weights"])]
-    try:
-        for i, batch in enumerate(batches):
-            want = float(train_step(eager, eager_opt, batch))
-            try:
-                got = float(step(model, opt, batch))
-            except AlpaTorchError:
-                assert i == 0 and step.group is None, f"step {i}: an error after the workers started"
-                return  # a named refusal before the first step: allowed
-            assert got == pytest.approx(want, abs=ATOL), f"step {i}: {got} != eager {want} ({case})"
-            for s in (eager_sched, sched):
-                if s is not None:
-                    s.step()
-        state = step.state_dict()
-    finally:
-        step.shutdown()
-    for name, p in eager.named_parameters():
-        torch.testing.assert_close(state["model"][name], p.detach(), atol=ATOL, rtol=0, msg=f"{name} ({case})")
+
+    def net():
+        torch.manual_seed(0)
+        return Net(case["depth"], case["width"], case["tied"], case["frozen"])
+    compare(make_step(case), batches, make_model=net, make_opt=lambda m: make_optimizer(case, m),
+            schedule=lambda o: make_scheduler(case, o), cluster=Cluster.local(*case["cluster"]), refusal_ok=True,
+            context=f"({case})", **plan_options(case))

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from alpa_torch import Cluster, parallelize
+from alpa_torch import AlpaTorchError, Cluster, parallelize
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 ATOL = 1e-5
@@ -34,21 +34,30 @@ def _xy(i: int, n: int = 8, dtype=torch.float32) -> tuple[torch.Tensor, torch.Te
     return torch.randn(n, 16, generator=g, dtype=dtype), torch.randint(0, 8, (n,), generator=g)
 
 
-def compare(step_fn, batches, *, make_model=_mlp, make_opt=None, schedule=None, **options):
+def compare(step_fn, batches, *, make_model=_mlp, make_opt=None, schedule=None, cluster=CLUSTER,
+            refusal_ok: bool = False, context: str = "", **options):
     """Run ``step_fn`` eagerly and through ``parallelize`` on ``batches``; assert equal losses and
-    parameters. ``schedule(optimizer)``: an LR scheduler stepped after every step."""
+    parameters. ``schedule(optimizer)``: an LR scheduler stepped after every step (or None);
+    ``refusal_ok``: a named ``AlpaTorchError`` at the first call, before any worker starts, is
+    an allowed outcome too (returns None); ``context`` goes into every assertion's message."""
     make_opt = make_opt or (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01))
     eager = make_model()
     model = copy.deepcopy(eager)
     eager_opt, opt = make_opt(eager), make_opt(model)
     eager_sched = schedule(eager_opt) if schedule else None
     sched = schedule(opt) if schedule else None
-    step = parallelize(step_fn, CLUSTER, **options)
+    step = parallelize(step_fn, cluster, **options)
     try:
         for i, batch in enumerate(batches):
             want = float(step_fn(eager, eager_opt, batch).detach())
-            got = float(step(model, opt, batch))
-            assert got == pytest.approx(want, abs=ATOL), f"step {i}: {got} != eager {want}"
+            try:
+                got = float(step(model, opt, batch))
+            except AlpaTorchError:
+                if not refusal_ok:
+                    raise
+                assert i == 0 and step.group is None, f"step {i}: an error after the workers started {context}"
+                return None
+            assert got == pytest.approx(want, abs=ATOL), f"step {i}: {got} != eager {want} {context}"
             for s in (eager_sched, sched):
                 if s is not None:
                     s.step()
@@ -56,7 +65,7 @@ def compare(step_fn, batches, *, make_model=_mlp, make_opt=None, schedule=None, 
     finally:
         step.shutdown()
     for name, p in eager.named_parameters():
-        torch.testing.assert_close(state["model"][name], p.detach(), atol=ATOL, rtol=0, msg=name)
+        torch.testing.assert_close(state["model"][name], p.detach(), atol=ATOL, rtol=0, msg=f"{name} {context}")
     return step
 
 
