@@ -39,7 +39,6 @@ import functools
 import inspect
 import logging
 import math
-import statistics
 import time
 import warnings
 import weakref
@@ -255,27 +254,10 @@ class ParallelStep:
         cands = tuner.candidates(self.plan, self.graph, self.cluster, self.options, self.plan_cache, self.progress)
         if len(cands) == 1:
             return
-        trials = tuner.to_measure(cands)
-        if len(trials) == 1:  # the cost model tells them apart: nothing to measure
-            kept = trials[0]
-            kept.note = f"the only candidate predicted within {tuner.MARGIN:g}x of the fastest"
-        else:
-            leaves = self._batch_leaves(batch)
-            scalars = self._functional.host_scalars(self._step + 1)
-            deployed = cands[0]  # _launch deployed the searched plan
-            for c in trials:
-                if c is not deployed:
-                    self._use(c.plan, model, optimizer, batch, values)
-                    deployed = c
-                times = []
-                for _ in range(tuner.STEPS):
-                    t = time.perf_counter()
-                    self.engine.step(leaves, scalars)
-                    times.append(time.perf_counter() - t)
-                c.measured_s = statistics.median(times[tuner.SKIP:])
-            kept = tuner.keep(cands)
-        if kept is not cands[0] or len(trials) > 1:  # the trial steps changed the state: load it again
-            self._use(kept.plan, model, optimizer, batch, values)
+        scalars = self._functional.host_scalars(self._step + 1)
+        leaves = self._batch_leaves(batch)
+        kept = tuner.select(cands, lambda plan: self._use(plan, model, optimizer, batch, values),
+                            lambda: self.engine.step(leaves, scalars))
         tuner.store_choice(self.plan_cache, self.graph, self.cluster, self.options, cands, kept)
         self.tuning = kept.plan.options["tuning"]
         self.plan_source = f"measured ({self.plan_source})"

@@ -12,7 +12,7 @@ faster. So ``parallelize`` (``tune=True``, the default) treats its prediction as
   options rule out is not a candidate), and each cached under its own options; equal plans
   count once;
 - a candidate predicted within ``MARGIN`` times the fastest prediction is measured
-  (``ParallelStep._tune``): deployed on the step's workers, loaded with the initial state,
+  (``select``, called by ``ParallelStep._tune``): deployed on the step's workers, loaded with the initial state,
   run ``STEPS`` steps on the first batch with the results thrown away, timed from step
   ``SKIP`` + 1 on (the first step runs through DTensor, the second records the replay);
 - the fastest measured is kept, the initial state loaded into it, and training starts.
@@ -30,6 +30,8 @@ import dataclasses
 import json
 import logging
 import os
+import statistics
+import time
 from collections.abc import Callable
 
 from alpa_torch.core.cluster import Cluster
@@ -129,6 +131,35 @@ def keep(cands: list[Candidate]) -> Candidate:
     return best
 
 
+def select(cands: list[Candidate], use: Callable[[ParallelPlan], None], step: Callable[[], object]) -> Candidate:
+    """The candidate to keep, measured where the predictions are close (module docstring).
+
+    ``cands[0]`` is deployed with the initial state; ``use(plan)`` deploys a plan on the workers and
+    loads the initial state into it; ``step()`` runs one trial step. On return the kept plan is
+    deployed with the initial state."""
+    trials = to_measure(cands)
+    if len(trials) == 1:  # the cost model tells them apart: nothing to measure
+        kept = trials[0]
+        kept.note = f"the only candidate predicted within {MARGIN:g}x of the fastest"
+        if kept is not cands[0]:
+            use(kept.plan)
+        return kept
+    deployed = cands[0]
+    for c in trials:
+        if c is not deployed:
+            use(c.plan)
+            deployed = c
+        times = []
+        for _ in range(STEPS):
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+        c.measured_s = statistics.median(times[SKIP:])
+    kept = keep(cands)
+    use(kept.plan)  # the trial steps changed the state: load it again
+    return kept
+
+
 def report(tuning: list[dict]) -> str:
     """A text table of the candidates (``Candidate.to_dict``): predicted and measured step time,
     which was kept and why."""
@@ -170,4 +201,4 @@ def _decisions(plan: ParallelPlan) -> str:
 
 
 __all__ = ["ENV_VAR", "MARGIN", "SKIP", "STEPS", "Candidate", "cached_choice", "candidates", "enabled", "keep",
-           "report", "store_choice", "to_measure", "tuned_fields", "variants"]
+           "report", "select", "store_choice", "to_measure", "tuned_fields", "variants"]

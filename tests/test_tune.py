@@ -60,6 +60,20 @@ def test_rules_measure_close_predictions_and_keep_the_fastest_measured():
     assert "one stage (kept)" in text and "not measured" in text and "search (kept)" not in text
 
 
+def test_select_measures_each_close_candidate_and_leaves_the_kept_one_deployed(monkeypatch):
+    graph, cluster, plan = _plans()
+    plans = [plan, dataclasses.replace(plan, predicted_step_s=plan.predicted_step_s * 1.2),
+             dataclasses.replace(plan, predicted_step_s=plan.predicted_step_s * (tuner.MARGIN + 1))]
+    cands = [tuner.Candidate(label, p) for label, p in zip(("search", "one stage", "data parallel"), plans)]
+    deployed, speed = [plans[0]], {id(plans[0]): 2.0, id(plans[1]): 1.0}
+    clock = iter(range(1000))
+    monkeypatch.setattr(tuner.time, "perf_counter", lambda: next(clock) * speed[id(deployed[-1])])
+    kept = tuner.select(cands, deployed.append, lambda: None)
+    assert kept is cands[1] and cands[2].measured_s is None
+    assert cands[0].measured_s == 2.0 and cands[1].measured_s == 1.0
+    assert deployed == [plans[0], plans[1], plans[1]]  # measured, then loaded again with the initial state
+
+
 def test_candidates_differ_and_come_from_the_options(tmp_path):
     graph, cluster, plan = _plans()
     cands = tuner.candidates(plan, graph, cluster, PlanOptions(), cache=None)
