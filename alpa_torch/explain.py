@@ -42,7 +42,7 @@ import math
 import re
 
 from alpa_torch.core.cluster import GiB
-from alpa_torch.core.plan import ParallelPlan, _ranges
+from alpa_torch.core.plan import ParallelPlan, _ranges, text_table
 
 from .tune import report
 
@@ -256,5 +256,4 @@ def _runner_ups(plan: ParallelPlan, top: int) -> list[str]:
 
 
 def _table(rows) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return text_table(rows, indent="  ")

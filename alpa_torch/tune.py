@@ -38,7 +38,7 @@ from alpa_torch.core.cluster import Cluster
 from alpa_torch.core.errors import PlanError
 from alpa_torch.core.graph import OpGraph
 from alpa_torch.core.options import PlanOptions
-from alpa_torch.core.plan import ParallelPlan
+from alpa_torch.core.plan import ParallelPlan, text_table
 
 from .plan_cache import PlanCache, cached_plan, key_fields, plan_decisions
 
@@ -105,9 +105,10 @@ def candidates(searched: ParallelPlan, graph: OpGraph, cluster: Cluster, options
         except PlanError as exc:  # e.g. no one-stage plan fits the memory
             log.info("no %s candidate: %s", label, str(exc).splitlines()[0])
             continue
-        if _decisions(plan) not in seen:
+        decisions = _decisions(plan)
+        if decisions not in seen:
             out.append(Candidate(label, plan))
-            seen.append(_decisions(plan))
+            seen.append(decisions)
     return out
 
 
@@ -167,9 +168,7 @@ def report(tuning: list[dict]) -> str:
     for t in tuning:
         rows.append((t["label"] + (" (kept)" if t["kept"] else ""), t["plan"], f"{t['predicted_s'] * 1e3:.1f}",
                      "-" if t["measured_s"] is None else f"{t['measured_s'] * 1e3:.1f}", t["note"]))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
-    return "measured plan selection (tune=True):\n" + "\n".join(lines)
+    return "measured plan selection (tune=True):\n" + "\n".join(text_table(rows, indent="  "))
 
 
 def tuned_fields(graph: OpGraph, cluster: Cluster, options: PlanOptions) -> dict:

@@ -205,8 +205,7 @@ class ParallelPlan:
                          f"{s.time_s * 1e3:.3f}", f"{s.compute_s * 1e3:.3f}", f"{s.comm_s * 1e3:.3f}",
                          f"{s.update_s * 1e3:.3f}", f"{s.memory_bytes / GiB:.3f}",
                          _ranges(s.recompute_layers) or "-"))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines = text_table(rows)
         lines.append(f"step {self.predicted_step_s * 1e3:.3f} ms = compute {self.compute_s * 1e3:.3f} + "
                      f"comm {self.communication_s * 1e3:.3f} + bubble {self.bubble_s * 1e3:.3f}; "
                      f"{self.num_microbatches} microbatches, {self.schedule}, {self.num_layers} layers; "
@@ -282,6 +281,12 @@ class ParallelPlan:
         if seen != set(range(cluster.num_devices)):
             raise PlanError(f"the submeshes leave devices {sorted(set(range(cluster.num_devices)) - seen)} "
                             "idle: they must tile the whole cluster")
+
+
+def text_table(rows, indent: str = "") -> list[str]:
+    """Rows of strings as lines of left-aligned columns two spaces apart, each after ``indent``."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
 def _ranges(ids) -> str:
