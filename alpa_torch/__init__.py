@@ -25,6 +25,7 @@ from alpa_torch.capture import capture  # noqa: E402, F401
 _EXPORTS = {
     "parallelize": "alpa_torch.api", "ParallelStep": "alpa_torch.api", "load_checkpoint": "alpa_torch.api",
     "load_into": "alpa_torch.api", "capture": "alpa_torch.capture",
+    "empty_weights": "alpa_torch.initial_state", "init_weights": "runtime.state_sources",
     "Cluster": "alpa_torch.core.cluster", "DeviceSpec": "alpa_torch.core.cluster",
     "LinkSpec": "alpa_torch.core.cluster", "DEVICE_SPECS": "alpa_torch.core.cluster",
     "LINK_SPECS": "alpa_torch.core.cluster", "OpGraph": "alpa_torch.core.graph",
@@ -75,5 +76,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; nothing runs
     from alpa_torch.core.graph import OpGraph  # noqa: F401
     from alpa_torch.core.options import PlanOptions  # noqa: F401
     from alpa_torch.core.plan import ParallelPlan  # noqa: F401
+    from alpa_torch.initial_state import empty_weights  # noqa: F401
     from runtime.discovery import cluster_from_ray  # noqa: F401
     from runtime.profile import profile_cluster  # noqa: F401
+    from runtime.state_sources import init_weights  # noqa: F401

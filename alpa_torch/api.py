@@ -61,6 +61,7 @@ from alpa_torch.core.graph import OpGraph
 from alpa_torch.core.microbatches import check_divisible, microbatch, split_flags
 from alpa_torch.core.options import PlanOptions
 from alpa_torch.core.plan import ParallelPlan
+from runtime.state_sources import Values
 from runtime.wire import from_wire, to_wire_dict
 from stage_dp.coupling import loss_combine
 from stage_dp.planner import check_plan
@@ -68,6 +69,7 @@ from stage_dp.planner import check_plan
 from . import tune as tuner
 from .batch import BatchLayout, check_indices, index_rules
 from .capture import capture, check_precision
+from .initial_state import checkpoint_source, give_storage, model_sources
 from .optim import FunctionalOptimizer, LossScaler
 from .plan_cache import PlanCache, cached_plan
 
@@ -93,6 +95,7 @@ class ParallelStep:
                  options: PlanOptions | None = None, progress: Callable[[str], None] | None = None,
                  precision: str = "fp32", plan_cache: bool | str | None = None, max_restarts: int = 0,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 1, tune: bool | None = None,
+                 init_fn: Callable[[torch.nn.Module], None] | None = None, weights: str | None = None,
                  **option_fields: Any):
         """See ``parallelize``; ``option_fields``: ``PlanOptions``'s fields (or ``options``)."""
         _check_reliability_options(max_restarts, checkpoint_dir, checkpoint_every)
@@ -108,10 +111,13 @@ class ParallelStep:
         except TypeError as exc:  # an unknown keyword: name the options there are
             raise TypeError(f"parallelize: {exc}. Its options are PlanOptions's fields "
                             f"({', '.join(f.name for f in dataclasses.fields(PlanOptions))}), plan, progress, "
-                            "precision, plan_cache, max_restarts, checkpoint_dir, checkpoint_every, tune") from None
+                            "precision, plan_cache, max_restarts, checkpoint_dir, checkpoint_every, tune, init_fn, "
+                            "weights") from None
         self.tune = tuner.enabled(tune)
         self.tuning: list[dict] = []
         """The candidates of measured plan selection (``alpa_torch.tune.Candidate.to_dict``), in order."""
+        self.init_fn, self.weights = init_fn, weights
+        """How a model built on the meta device gets its values (``alpa_torch.initial_state``)."""
         self.progress = progress
         self.plan_cache = PlanCache.from_option(plan_cache)
         self._layout: BatchLayout | None = None
@@ -211,7 +217,6 @@ class ParallelStep:
         return plan
 
     def _start(self, model, optimizer, batch) -> None:
-        _check_materialized(model)
         self._trains = (weakref.ref(model), weakref.ref(optimizer))
         self._seed = torch.initial_seed()
         t0 = time.perf_counter()
@@ -222,41 +227,41 @@ class ParallelStep:
         self.run_graph = self._runtime_graph(model, optimizer, batch)
         self._batch_leaves(batch)  # shapes and index ranges: wrong data fails here, before any worker starts
         if self._pending is not None:
-            values = self._checkpoint_values(*self._pending)
+            sources = [checkpoint_source(self.graph, *self._pending)]
             self._step, self._pending = self._pending[1]["step"], None
         else:
-            values = self._initial_state(model)
+            sources = self._initial_state(model)
         t1 = time.perf_counter()
-        self._launch(values)
+        self._launch(sources)
         log.info("planned in %.2f s, deployed in %.2f s", t1 - t0, time.perf_counter() - t1)
         if self.tune and self.plan_source in ("search", "cache"):
-            self._tune(model, optimizer, batch, values)
+            self._tune(model, optimizer, batch, sources)
         if self.checkpoint_dir is not None:
             self._warn_overwrite()
             self.save(self.checkpoint_dir)  # the state a restart before the first periodic save returns to
 
-    def _launch(self, values: dict[str, torch.Tensor]) -> None:
-        """Start the workers, deploy the plan and load ``values`` (full tensors) onto them."""
+    def _launch(self, sources: list) -> None:
+        """Start the workers, deploy the plan and load the state ``sources`` give onto them."""
         from runtime.group import WorkerGroup
 
         self.group = WorkerGroup.start(self.cluster)
         try:
             self.engine = self._deploy()
-            self.engine.load_state(to_wire_dict(values))
+            self.engine.load(sources)
         except BaseException:
             self._stop_workers()
             raise
 
-    def _tune(self, model, optimizer, batch, values: dict[str, torch.Tensor]) -> None:
+    def _tune(self, model, optimizer, batch, sources: list) -> None:
         """Measured plan selection (``alpa_torch.tune``): run the candidates the cost model cannot
-        tell apart on the workers, keep the fastest, load ``values`` into it."""
+        tell apart on the workers, keep the fastest, load the initial state (``sources``) into it."""
         t0 = time.perf_counter()
         cands = tuner.candidates(self.plan, self.graph, self.cluster, self.options, self.plan_cache, self.progress)
         if len(cands) == 1:
             return
         scalars = self._functional.host_scalars(self._step + 1)
         leaves = self._batch_leaves(batch)
-        kept = tuner.select(cands, lambda plan: self._use(plan, model, optimizer, batch, values),
+        kept = tuner.select(cands, lambda plan: self._use(plan, model, optimizer, batch, sources),
                             lambda: self.engine.step(leaves, scalars))
         tuner.store_choice(self.plan_cache, self.graph, self.cluster, self.options, cands, kept)
         self.tuning = kept.plan.options["tuning"]
@@ -266,12 +271,12 @@ class ParallelStep:
         if self.progress is not None:
             self.progress(text)
 
-    def _use(self, plan: ParallelPlan, model, optimizer, batch, values: dict[str, torch.Tensor]) -> None:
-        """Deploy ``plan`` on the running workers and load ``values`` into it."""
+    def _use(self, plan: ParallelPlan, model, optimizer, batch, sources: list) -> None:
+        """Deploy ``plan`` on the running workers and load the state ``sources`` give into it."""
         self.plan = plan
         self.run_graph = self._runtime_graph(model, optimizer, batch)
         self.engine = self._deploy()
-        self.engine.load_state(to_wire_dict(values))
+        self.engine.load(sources)
 
     def _run_step(self, leaves: dict) -> float:
         """One step on the workers; on a ``WorkerError`` restart from the last checkpoint and retry it."""
@@ -299,7 +304,7 @@ class ParallelStep:
         from runtime import checkpoint
 
         path, manifest = checkpoint.read_manifest(self.checkpoint_dir)
-        self._launch(self._checkpoint_values(path, manifest))
+        self._launch([checkpoint_source(self.graph, path, manifest)])
         self._step = manifest["step"]
 
     def _runtime_graph(self, model, optimizer, batch):
@@ -358,11 +363,8 @@ class ParallelStep:
                                                device_step=self.precision == "fp16")
         self.make_plan(model, optimizer, batch)
         self.run_graph = self._runtime_graph(model, optimizer, batch)
-        fresh = self._initial_state(model)
-        values = {s.name: live.get(s.name, fresh.get(s.name)) for s in self.graph.inputs
-                  if s.kind in ("param", "buffer", "opt_state")}
         self.engine = self._deploy()
-        self.engine.load_state(to_wire_dict(values))
+        self.engine.load([Values(to_wire_dict(live)), *self._initial_state(model)])  # live first: it wins
 
     def _check_open(self) -> None:
         if self._closed:
@@ -381,16 +383,10 @@ class ParallelStep:
                     f"{what}; for another model, create a new step with parallelize(...) (call "
                     "step.sync(model, optimizer) first to keep what this one trained)")
 
-    def _initial_state(self, model) -> dict[str, torch.Tensor]:
-        params = dict(model.named_parameters())
-        values = {n: p for n, p in params.items()}
-        values.update(dict(model.named_buffers()))
-        for name in self._functional.names:
-            for key, v in self._functional.initial_state(name, params[name]).items():
-                values[f"{name}.{key}"] = v
-        if self._functional.device_step:  # fp16 loss scaling state
-            values.update(LossScaler.initial_state(self._functional.step_count()))
-        return values
+    def _initial_state(self, model) -> list:
+        """Where the workers get the model's and optimizer's state (``alpa_torch.initial_state``)."""
+        return model_sources(self.graph, model, self._functional, seed=self._seed, init_fn=self.init_fn,
+                             weights=self.weights)
 
     def _batch_leaves(self, batch) -> dict:
         """The batch's data leaves as the workers receive them, after checking their shapes and
@@ -438,7 +434,7 @@ class ParallelStep:
         if self.engine is None:
             self._pending = (path, manifest)
         else:
-            self.engine.load_state(to_wire_dict(self._checkpoint_values(path, manifest)))
+            self.engine.load([checkpoint_source(self.graph, path, manifest)])
             self._step = manifest["step"]
         return manifest["step"]
 
@@ -453,22 +449,6 @@ class ParallelStep:
                 if s.kind == "opt_state":
                     table[s.name]["param"], table[s.name]["key"] = owner[s.name]
         return table
-
-    def _checkpoint_values(self, path, manifest) -> dict[str, torch.Tensor]:
-        """The checkpoint's tensors, after checking they are exactly this step's state."""
-        want = {s.name: (s.kind, list(s.shape), s.dtype) for s in self.graph.inputs
-                if s.kind in ("param", "buffer", "opt_state")}
-        have = {n: (e["kind"], e["shape"], e["dtype"]) for n, e in manifest["tensors"].items()}
-        missing, unexpected = sorted(set(want) - set(have)), sorted(set(have) - set(want))
-        differ = sorted(n for n in set(want) & set(have) if want[n] != have[n])
-        if missing or unexpected or differ:
-            raise CheckpointError(
-                f"the checkpoint at {str(path)!r} does not hold this step's state: missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]}, other kind/shape/dtype {[(n, have[n], want[n]) for n in differ[:3]]}."
-                " Fix: load it with the model and optimizer type it was saved from.")
-        from runtime.checkpoint import assemble
-
-        return assemble(path, manifest)
 
     def _warn_overwrite(self) -> None:
         from runtime import checkpoint
@@ -499,6 +479,7 @@ class ParallelStep:
     def sync(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Copy the trained state into ``model`` (and ``optimizer``), as eager training would leave them."""
         sd = self.state_dict()
+        give_storage(model, optimizer or self._functional.optimizer, self._functional)  # a meta-device model
         with torch.no_grad():
             for name, t in list(model.named_parameters()) + list(model.named_buffers()):
                 t.copy_(sd["model"][name])
@@ -581,17 +562,6 @@ def _step_arguments(name: str, args: tuple, kwargs: dict) -> tuple[Any, Any, Any
                         f"and a {type(optimizer).__name__} where a torch.nn.Module and a torch.optim.Optimizer "
                         "belong")
     return model, optimizer, bound.arguments["batch"]
-
-
-def _check_materialized(model: torch.nn.Module) -> None:
-    """A model whose weights are on the meta device has no values to train: say so before any worker starts."""
-    meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
-    if meta:
-        raise PlanError(
-            f"{len(meta)} parameter(s)/buffer(s) of the model are on the meta device (e.g. {meta[0]}): they hold no "
-            "values to train. Fix: materialise the model first (model.to_empty(device='cpu'), then initialise it "
-            "or load its weights); a meta model can be planned without training: alpa-torch plan, or "
-            "ParallelStep.make_plan")
 
 
 def _check_reliability_options(max_restarts, checkpoint_dir, checkpoint_every) -> None:

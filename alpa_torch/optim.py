@@ -343,14 +343,14 @@ class FunctionalOptimizer:
 
     def initial_state(self, name: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
         """The state tensors of ``name``: the user's, or zeros for a fresh optimizer."""
-        pstate = self._user_state(name)
+        pstate = self.user_state(name)
         out = {}
         for key in self.state_names(name):
             value = pstate.get(key)
             out[key] = value.detach() if value is not None else torch.zeros_like(param)
         return out
 
-    def _user_state(self, name: str) -> dict:
+    def user_state(self, name: str) -> dict:
         return self.optimizer.state.get(self.param_of[name], {})
 
     def write_back(self, states: Mapping[str, Mapping[str, torch.Tensor]], step: int) -> None:

@@ -306,19 +306,25 @@ def _check_file(e: Any, tensors: dict, where: str) -> None:
                                   f"inside its shape {shape}. {_FIX}")
 
 
-def _open_shard(path: Path, entry: dict):
-    """``safe_open`` the shard after checking its size, SHA-256 and that it is safetensors."""
+def open_checked(path: Path, entry: dict):
+    """``safe_open`` the shard of manifest ``entry`` after checking that it is safetensors and has its
+    recorded size and SHA-256 (read in 16 MiB blocks: a large shard is never held whole)."""
     from safetensors import safe_open
 
     file = path / entry["file"]
     if not file.is_file() or file.is_symlink():
         raise CheckpointError(f"{str(file)!r} is missing (or a link); the checkpoint is incomplete. {_FIX}")
-    data = file.read_bytes()
-    if data[:1] == b"\x80":
-        raise CheckpointError(f"{str(file)!r} is a pickle, not safetensors; alpa-torch never unpickles "
-                              f"checkpoint files (it could run code). {_FIX}")
-    if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise CheckpointError(f"{str(file)!r} has {len(data)} bytes / a SHA-256 that differ from the manifest "
+    digest, size = hashlib.sha256(), 0
+    with open(file, "rb") as f:
+        if f.read(1) == b"\x80":
+            raise CheckpointError(f"{str(file)!r} is a pickle, not safetensors; alpa-torch never unpickles "
+                                  f"checkpoint files (it could run code). {_FIX}")
+        f.seek(0)
+        while block := f.read(16 << 20):
+            digest.update(block)
+            size += len(block)
+    if size != entry["bytes"] or digest.hexdigest() != entry["sha256"]:
+        raise CheckpointError(f"{str(file)!r} has {size} bytes / a SHA-256 that differ from the manifest "
                               f"({entry['bytes']} bytes): it was truncated or changed. {_FIX}")
     try:
         return safe_open(str(file), framework="pt")
@@ -331,7 +337,7 @@ def assemble(path: Path, manifest: dict) -> dict[str, torch.Tensor]:
     out = {n: torch.empty(e["shape"], dtype=DTYPES[e["dtype"]]) for n, e in manifest["tensors"].items()}
     covered = {n: torch.zeros(e["shape"], dtype=torch.bool) for n, e in manifest["tensors"].items()}
     for entry in manifest["files"]:
-        with _open_shard(path, entry) as f:
+        with open_checked(path, entry) as f:
             for name, box in entry["tiles"].items():
                 tile = f.get_tensor(name)
                 where = tuple(slice(a, b) for a, b in box)

@@ -34,6 +34,7 @@ from alpa_torch.core.sharding import StageSharding
 
 from .group import WorkerGroup
 from .interpreter import serialize_graph, total_loss
+from .state_sources import Values
 from .wire import from_wire, to_wire_dict
 
 log = logging.getLogger(__name__)
@@ -130,8 +131,8 @@ def _install(state: dict, records_bytes: bytes, setup: dict, stage: int) -> bool
     return True
 
 
-def _load(state: dict, values: dict) -> bool:
-    state["runner"].load_state(values)
+def _load(state: dict, sources: list, metas: dict) -> bool:
+    state["runner"].load_from(sources, metas)
     return True
 
 
@@ -228,11 +229,21 @@ class Engine:
     # ------------------------------------------------------------------ state
     def load_state(self, values: dict[str, np.ndarray]) -> None:
         """Full values of the state (wire arrays); each device keeps its stage's shards."""
-        if self.sources is None:
-            self.group.call_all(_load, values)
+        self.load([Values(values)])
+
+    def load(self, sources: list) -> None:
+        """The state ``sources`` have (``state_sources``: the first to have a name gives it); each
+        device reads only its stage's shards. Full values (``Values``) go only to their stage's devices."""
+        metas = {s.name: (tuple(s.shape), s.dtype) for s in self.graph.inputs
+                 if s.kind in ("param", "buffer", "opt_state") and any(s.name in src.names for src in sources)}
+        if self.sources is None:  # one stage: every device loads everything (sent once)
+            self.group.call_all(_load, sources, metas)
             return
-        per_rank = [({k: v for k, v in values.items() if k in self.sources[self.stage_of_rank[r]]},)
-                    for r in range(self.group.world_size)]
+        per_rank = []
+        for r in range(self.group.world_size):
+            names = self.sources[self.stage_of_rank[r]] & set(metas)
+            own = [src.only(names) if isinstance(src, Values) else src for src in sources]
+            per_rank.append((own, {n: metas[n] for n in names}))
         self.group.call_all(_load, per_rank_args=per_rank)
 
     def gather_state(self) -> dict[str, np.ndarray]:

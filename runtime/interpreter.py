@@ -69,6 +69,7 @@ from .grad_buckets import (
 from .program import CALL, GET_ATTR, GETITEM, MARKER, OUTPUT, Program, Ref, compile_program
 from .replay import InputMeta, StepReplay, agree, check_local, compile_local, meta_of, run_local, to_local, wrap
 from .rng import RandomStream, is_random
+from .state_sources import shard
 from .wire import Bits, from_wire
 
 log = logging.getLogger(__name__)
@@ -230,10 +231,21 @@ class StageRunner:
         Values not in ``values`` (state of other stages) are skipped."""
         for kind, name, node in self.inputs:
             if kind in ("param", "buffer", "opt_state") and name in values:
-                value = self.distribute(node, values[name])
-                self._state[name] = value.to_local() if self.replaying else value
-                self._foreign.add(name)
-                self._owned.discard(node)
+                self._put_state(name, node, self.distribute(node, values[name]))
+
+    def load_from(self, sources: list, metas: dict[str, tuple[tuple[int, ...], str]]) -> None:
+        """Take this device's shards of the state named in ``metas`` (name -> full shape, dtype
+        name) from ``sources`` (``state_sources``): only the slices it holds are read."""
+        for kind, name, node in self.inputs:
+            if kind in ("param", "buffer", "opt_state") and name in metas:
+                mesh = None if self.local else self.mesh
+                self._put_state(name, node, shard(sources, name, *metas[name], mesh,
+                                                  self.value_specs.get(node, self.rep), self.device))
+
+    def _put_state(self, name: str, node: str, value) -> None:
+        self._state[name] = value.to_local() if self.replaying else value
+        self._foreign.add(name)
+        self._owned.discard(node)
 
     @property
     def state(self) -> dict[str, DTensor | torch.Tensor]:

@@ -356,16 +356,6 @@ def test_another_model_or_a_call_after_shutdown_is_refused():
 
 
 @pytest.mark.usefixtures("ray_session")
-def test_a_meta_model_is_refused_before_any_worker():
-    with torch.device("meta"):
-        model = _net()
-    step = parallelize(plain, CLUSTER)
-    with pytest.raises(PlanError, match="meta device.*to_empty"):
-        step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), _xy(0))
-    assert step.group is None
-
-
-@pytest.mark.usefixtures("ray_session")
 def test_out_of_range_labels_and_token_ids_are_named():
     model = _net()
     step = parallelize(plain, CLUSTER)

@@ -1,0 +1,168 @@
+"""What the workers start from: where each tensor of the state comes from, decided on the driver.
+
+The driver never holds a full tensor it does not already have. For each parameter,
+buffer and optimizer state of the step (``OpGraph.inputs``) it picks one source
+(``runtime.state_sources``), and each worker then reads only the slices it holds:
+
+- a weight the user's model holds (materialised): its value, sent by the driver;
+- a weight on the meta device: from ``weights`` (a directory of safetensors files,
+  Hugging Face's layout) when it is there, else initialised on the workers, module by
+  module, with ``init_fn(module)`` or the module's ``reset_parameters()``, seeded so
+  that the values equal ``alpa_torch.init_weights(model, init_fn)`` on one device;
+- optimizer state: the user's optimizer's if it has some, else zeros (a fresh
+  ``torch.optim`` optimizer), made on the workers;
+- a checkpoint (``ParallelStep.load``): its tiles, read by the workers (the driver
+  reads the manifest only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from alpa_torch.core.errors import CheckpointError, PlanError
+from alpa_torch.core.graph import OpGraph
+from runtime import state_sources
+from runtime.state_sources import (
+    CheckpointTiles,
+    ModuleInit,
+    SafetensorsWeights,
+    Values,
+    Zeros,
+    materialise_module,
+    owners,
+    uninitialisable,
+)
+from runtime.wire import to_wire_dict
+
+from .optim import FunctionalOptimizer, LossScaler
+
+log = logging.getLogger(__name__)
+
+STATE_KINDS = ("param", "buffer", "opt_state")
+
+
+@contextlib.contextmanager
+def empty_weights() -> Iterator[None]:
+    """Build a model whose parameters are on the meta device (no memory, no initialisation run)
+    while its buffers keep the values ``__init__`` computes (causal masks, rotary tables)::
+
+        with alpa_torch.empty_weights():
+            model = GPT(config)
+
+    Each parameter is allocated (never touched, so it takes no memory) and replaced by a meta
+    tensor as the module registers it, before the module's own initialisation runs."""
+    register = torch.nn.Module.register_parameter
+
+    def register_on_meta(module: torch.nn.Module, name: str, param) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def model_sources(graph: OpGraph, model: torch.nn.Module, functional: FunctionalOptimizer, *, seed: int,
+                  init_fn=None, weights: str | Path | None = None) -> list:
+    """The sources of the step's initial state (first source that has a name gives it)."""
+    tensors = dict(model.named_parameters())
+    tensors.update(model.named_buffers())
+    values, zeros = {}, []
+    meta = [n for kind in ("param", "buffer") for n in graph.input_names(kind) if tensors[n].is_meta]
+    for n, t in tensors.items():
+        if not t.is_meta:
+            values[n] = t.detach()
+    for name in functional.names:
+        for key, v in functional.initial_state(name, tensors[name]).items():
+            if not v.is_meta:
+                values[f"{name}.{key}"] = v
+            elif key in functional.user_state(name):
+                raise PlanError(f"the optimizer's state {key!r} of {name} is on the meta device: it holds no values. "
+                                "Fix: create the optimizer fresh (its state then starts at zero on the workers), or "
+                                "load its state with step.load(checkpoint)")
+            else:
+                zeros.append(f"{name}.{key}")
+    if functional.device_step:  # fp16 loss scaling state
+        values.update(LossScaler.initial_state(functional.step_count()))
+    sources: list = [Values(to_wire_dict(values))]
+    if zeros:
+        sources.append(Zeros(zeros))
+    if weights is not None:
+        found = weights_source(graph, weights)
+        sources.append(found)
+        meta = [n for n in meta if n not in found.names]
+    if meta:
+        missing = uninitialisable(model, meta, init_fn)
+        if missing:
+            lack = " and the weights lack them" if weights else ""
+            raise PlanError(
+                f"{len(missing)} tensor(s) of the model are on the meta device and nothing gives their values: "
+                f"{missing[:5]} (their modules have no reset_parameters{lack}). "
+                "Fix: pass parallelize(..., init_fn=fn) where fn(module) initialises a module's own parameters and "
+                "buffers (Hugging Face: init_fn=model._init_weights), or weights=<directory of safetensors files>")
+        check_buffers_set(model, meta, init_fn, seed)
+        sources.append(ModuleInit(model, init_fn, seed, meta))
+        log.info("%d tensor(s) of the meta-device model are initialised on the workers", len(meta))
+    return sources
+
+
+def give_storage(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 functional: FunctionalOptimizer) -> None:
+    """Give a model built on the meta device storage before state is copied into it: its meta
+    parameters become new ``Parameter`` objects, which ``optimizer`` and ``functional`` then hold."""
+    replaced = state_sources.give_storage(model)
+    if not replaced:
+        return
+    for group in optimizer.param_groups if optimizer is not None else ():
+        group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+    functional.param_of = {n: replaced.get(id(p), p) for n, p in functional.param_of.items()}
+
+
+def check_buffers_set(model: torch.nn.Module, names: list[str], init_fn, seed: int) -> None:
+    """Initialise, on a copy, each module owning some of ``names`` whose own meta tensors are all
+    buffers (small: masks, rotary tables), so that a buffer the initialisation does not set (one
+    computed in ``__init__``, lost on the meta device) is named here, before any worker starts."""
+    own = owners(model)
+    modules = dict(model.named_modules())
+    for owner in sorted({own[n] for n in names}):
+        module = modules[owner]
+        if module._buffers and not any(p is not None and p.is_meta for p in module._parameters.values()):
+            materialise_module(copy.deepcopy(module), owner, init_fn, seed)
+
+
+def weights_source(graph: OpGraph, directory: str | Path) -> SafetensorsWeights:
+    """The safetensors weights in ``directory`` that are state of ``graph``, checked against its shapes."""
+    source, found = SafetensorsWeights.scan(directory)
+    want = {s.name: tuple(s.shape) for s in graph.inputs if s.kind in ("param", "buffer")}
+    differ = [(k, found[k][0], want[k]) for k in sorted(set(found) & set(want)) if found[k][0] != want[k]]
+    if differ:
+        raise CheckpointError(f"the weights in {str(directory)!r} do not fit the model: {differ[:3]} (name, shape in "
+                              "the files, shape in the model). Fix: build the model with the configuration the "
+                              "weights were saved from")
+    unused = sorted(set(found) - set(want))
+    if unused:
+        log.warning("%d tensor(s) in %s are not in the model and are ignored: %s", len(unused), directory, unused[:5])
+    return SafetensorsWeights(source.directory, {k: f for k, f in source.file_of.items() if k in want})
+
+
+def checkpoint_source(graph: OpGraph, path: Path, manifest: dict) -> CheckpointTiles:
+    """The checkpoint's tiles, after checking (in the manifest) that they are exactly ``graph``'s state."""
+    want = {s.name: (s.kind, list(s.shape), s.dtype) for s in graph.inputs if s.kind in STATE_KINDS}
+    have = {n: (e["kind"], e["shape"], e["dtype"]) for n, e in manifest["tensors"].items()}
+    missing, unexpected = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+    differ = sorted(n for n in set(want) & set(have) if want[n] != have[n])
+    if missing or unexpected or differ:
+        raise CheckpointError(
+            f"the checkpoint at {str(path)!r} does not hold this step's state: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}, other kind/shape/dtype {[(n, have[n], want[n]) for n in differ[:3]]}."
+            " Fix: load it with the model and optimizer type it was saved from.")
+    return CheckpointTiles(path, manifest)
