@@ -20,13 +20,8 @@ Reliability (``runtime/checkpoint.py`` has the format)::
     step2.load("ckpt")                    # any plan or cluster size: resharded on load
     model_sd, optim_sd = load_checkpoint("ckpt")   # or load_into(model, optimizer, "ckpt")
 
-With ``max_restarts=N, checkpoint_dir=d, checkpoint_every=k`` a step writes a
-checkpoint to ``d`` at start and after every k-th step; when a worker dies
-(``WorkerError``) it starts new workers, reloads the last checkpoint and
-retries the step that failed, at most N times in the step's life. The batches
-of steps run after that checkpoint are gone, so their updates are lost: the
-contract is "training continues from the checkpoint's state, and the failed
-step is retried on it". With k = 1 the losses are those of an uninterrupted run.
+With ``max_restarts=N, checkpoint_dir=d`` a failed step restarts its workers from the
+last checkpoint, or plans again for the hosts left when one is lost (``resilience.py``).
 
 Plans are cached on disk (``plan_cache.py``): the same graph, cluster and
 options give the same plan, so the second ``make_plan`` loads it.
@@ -52,10 +47,8 @@ from alpa_torch.core.cluster import Cluster
 from alpa_torch.core.errors import (
     BatchSplitError,
     CaptureError,
-    CheckpointError,
     PlanError,
     StepUsageError,
-    WorkerError,
 )
 from alpa_torch.core.graph import OpGraph
 from alpa_torch.core.microbatches import check_divisible, microbatch, split_flags
@@ -70,8 +63,9 @@ from . import tune as tuner
 from .batch import BatchLayout, check_indices, index_rules
 from .capture import capture, check_precision
 from .initial_state import checkpoint_source, give_storage, model_sources
-from .optim import FunctionalOptimizer, LossScaler
+from .optim import FunctionalOptimizer
 from .plan_cache import PlanCache, cached_plan
+from .resilience import ResilientStep, check_reliability_options
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +82,7 @@ def _first_microbatch(layout: BatchLayout, batch: Any, num_microbatches: int) ->
     return pytree.tree_unflatten(leaves, layout.spec)
 
 
-class ParallelStep:
+class ParallelStep(ResilientStep):
     """A training step bound to a cluster; call it like the original step."""
 
     def __init__(self, train_step: Callable, cluster: Cluster | None = None, *, plan=None,
@@ -96,9 +90,9 @@ class ParallelStep:
                  precision: str = "fp32", plan_cache: bool | str | None = None, max_restarts: int = 0,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 1, tune: bool | None = None,
                  init_fn: Callable[[torch.nn.Module], None] | None = None, weights: str | None = None,
-                 **option_fields: Any):
+                 host_timeout_s: float = 60.0, **option_fields: Any):
         """See ``parallelize``; ``option_fields``: ``PlanOptions``'s fields (or ``options``)."""
-        _check_reliability_options(max_restarts, checkpoint_dir, checkpoint_every)
+        check_reliability_options(max_restarts, checkpoint_dir, checkpoint_every, host_timeout_s)
         functools.update_wrapper(self, train_step)  # the decorated step keeps its name and docstring
         self.train_step = train_step
         self.cluster = cluster or Cluster.local(1, 2)
@@ -111,8 +105,8 @@ class ParallelStep:
         except TypeError as exc:  # an unknown keyword: name the options there are
             raise TypeError(f"parallelize: {exc}. Its options are PlanOptions's fields "
                             f"({', '.join(f.name for f in dataclasses.fields(PlanOptions))}), plan, progress, "
-                            "precision, plan_cache, max_restarts, checkpoint_dir, checkpoint_every, tune, init_fn, "
-                            "weights") from None
+                            "precision, plan_cache, max_restarts, checkpoint_dir, checkpoint_every, host_timeout_s, "
+                            "tune, init_fn, weights") from None
         self.tune = tuner.enabled(tune)
         self.tuning: list[dict] = []
         """The candidates of measured plan selection (``alpa_torch.tune.Candidate.to_dict``), in order."""
@@ -133,7 +127,7 @@ class ParallelStep:
         self._seed = 0
         """The seed of the random operators on the workers (``runtime/rng.py``): the driver's
         ``torch.initial_seed()`` at the first call."""
-        self.max_restarts, self.checkpoint_every = max_restarts, checkpoint_every
+        self.max_restarts, self.checkpoint_every, self.host_timeout_s = max_restarts, checkpoint_every, host_timeout_s
         self.checkpoint_dir = checkpoint_dir
         self.restarts = 0
         """Worker restarts so far (at most ``max_restarts``)."""
@@ -163,7 +157,7 @@ class ParallelStep:
             if change:
                 self._recapture(model, optimizer, batch, change)
         leaves = self._batch_leaves(batch)
-        loss = self._run_step(leaves)
+        loss = self._run_step(leaves, model, optimizer, batch)
         optimizer._opt_called = True  # as optimizer.step() leaves it: LR schedulers check it
         if not math.isfinite(loss):
             warnings.warn(
@@ -240,11 +234,12 @@ class ParallelStep:
             self._warn_overwrite()
             self.save(self.checkpoint_dir)  # the state a restart before the first periodic save returns to
 
-    def _launch(self, sources: list) -> None:
-        """Start the workers, deploy the plan and load the state ``sources`` give onto them."""
+    def _launch(self, sources: list, reserve_timeout_s: float | None = None) -> None:
+        """Start the workers (``reserve_timeout_s``: how long to wait for their resources; None: the
+        group's default), deploy the plan and load the state ``sources`` give onto them."""
         from runtime.group import WorkerGroup
 
-        self.group = WorkerGroup.start(self.cluster)
+        self.group = WorkerGroup.start(self.cluster, reserve_timeout_s=reserve_timeout_s)
         try:
             self.engine = self._deploy()
             self.engine.load(sources)
@@ -277,35 +272,6 @@ class ParallelStep:
         self.run_graph = self._runtime_graph(model, optimizer, batch)
         self.engine = self._deploy()
         self.engine.load(sources)
-
-    def _run_step(self, leaves: dict) -> float:
-        """One step on the workers; on a ``WorkerError`` restart from the last checkpoint and retry it."""
-        while True:
-            number = self._step + 1
-            try:
-                loss = self.engine.step(leaves, self._functional.host_scalars(number))
-                self._step = number
-                if self.checkpoint_dir is not None and number % self.checkpoint_every == 0:
-                    self.save(self.checkpoint_dir)
-                return loss
-            except WorkerError as exc:
-                if self.restarts >= self.max_restarts:
-                    fix = (f"gave up after {self.restarts} restart(s) (max_restarts={self.max_restarts})"
-                           if self.max_restarts else "to restart automatically from the last checkpoint, pass "
-                           "max_restarts=N and checkpoint_dir=... to parallelize")
-                    raise WorkerError(f"step {number}: {exc}\n{fix}.") from exc
-                self._restart(exc, number)
-
-    def _restart(self, exc: WorkerError, number: int) -> None:
-        self.restarts += 1
-        log.warning("step %d: %s; restart %d of %d from the checkpoint in %s", number,
-                    str(exc).splitlines()[0], self.restarts, self.max_restarts, self.checkpoint_dir)
-        self._stop_workers()  # the group already shut itself down; this drops the references
-        from runtime import checkpoint
-
-        path, manifest = checkpoint.read_manifest(self.checkpoint_dir)
-        self._launch([checkpoint_source(self.graph, path, manifest)])
-        self._step = manifest["step"]
 
     def _runtime_graph(self, model, optimizer, batch):
         """The graph the workers run: the step on one microbatch (before activation checkpointing)."""
@@ -406,61 +372,6 @@ class ParallelStep:
             tensors[name], names[name] = leaf.detach(), self._layout.name(i)
         check_indices(self._index_rules, tensors, names)
         return to_wire_dict(tensors)
-
-    # ------------------------------------------------------------------ checkpoints
-    def save(self, directory: str) -> str:
-        """Write a checkpoint of the live state to ``directory`` (``runtime/checkpoint.py``):
-        each worker writes its own shards, the driver the manifest; the previous checkpoint
-        there is replaced atomically. Returns the directory's absolute path."""
-        from runtime import checkpoint
-
-        if self.engine is None:
-            raise CheckpointError("nothing to save: the step has not run yet (or was shut down); call it once "
-                                  "before save()")
-        meta = {"step": self._step, "graph_fingerprint": self.plan.graph_fingerprint, "plan": self.plan.to_dict(),
-                "tensors": self._tensor_table(),
-                "optimizer": checkpoint.describe_optimizer(self._functional.optimizer, self._functional.names)}
-        return str(checkpoint.save_checkpoint(directory, self.engine.save_shards, meta))
-
-    def load(self, directory: str) -> int:
-        """Restore a checkpoint written by ``save`` (by any plan or cluster size); returns its step.
-
-        Before the first call it is applied when the step starts (the model's and optimizer's
-        own values are then ignored); afterwards the running workers are reloaded. The
-        optimizer's step count comes from the checkpoint; ``lr`` still from the optimizer."""
-        from runtime import checkpoint
-
-        path, manifest = checkpoint.read_manifest(directory)
-        if self.engine is None:
-            self._pending = (path, manifest)
-        else:
-            self.engine.load([checkpoint_source(self.graph, path, manifest)])
-            self._step = manifest["step"]
-        return manifest["step"]
-
-    def _tensor_table(self) -> dict[str, dict]:
-        """Manifest ``tensors``: kind, shape, dtype (and param, key of optimizer state)."""
-        owner = {f"{n}.{k}": (n, k) for n in self._functional.names for k in self._functional.state_names(n)}
-        owner.update({n: ("<amp>", n) for n in LossScaler.STATE})  # fp16 loss scaling: no parameter's state
-        table = {}
-        for s in self.graph.inputs:
-            if s.kind in ("param", "buffer", "opt_state"):
-                table[s.name] = {"kind": s.kind, "shape": list(s.shape), "dtype": s.dtype}
-                if s.kind == "opt_state":
-                    table[s.name]["param"], table[s.name]["key"] = owner[s.name]
-        return table
-
-    def _warn_overwrite(self) -> None:
-        from runtime import checkpoint
-
-        try:
-            _, old = checkpoint.read_manifest(self.checkpoint_dir)
-        except CheckpointError:
-            return
-        if old["step"] != self._step:
-            log.warning("overwriting the checkpoint of step %d in %s with step %d; to resume from it, call "
-                        "step.load(%r) before the first step", old["step"], self.checkpoint_dir, self._step,
-                        self.checkpoint_dir)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -564,16 +475,6 @@ def _step_arguments(name: str, args: tuple, kwargs: dict) -> tuple[Any, Any, Any
     return model, optimizer, bound.arguments["batch"]
 
 
-def _check_reliability_options(max_restarts, checkpoint_dir, checkpoint_every) -> None:
-    if not isinstance(max_restarts, int) or max_restarts < 0:
-        raise CheckpointError(f"max_restarts={max_restarts!r} must be an int >= 0")
-    if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
-        raise CheckpointError(f"checkpoint_every={checkpoint_every!r} must be an int >= 1 (steps between checkpoints)")
-    if max_restarts and checkpoint_dir is None:
-        raise CheckpointError(f"max_restarts={max_restarts} needs checkpoint_dir=...: a restart reloads the last "
-                              "checkpoint written there. Fix: pass checkpoint_dir (shared storage on real hosts).")
-
-
 def parallelize(train_step: Callable | Cluster | None = None, cluster: Cluster | None = None,
                 **options: Any) -> ParallelStep | Callable[[Callable], ParallelStep]:
     """Return ``train_step`` running on ``cluster`` with an automatically found plan.
@@ -615,7 +516,14 @@ def parallelize(train_step: Callable | Cluster | None = None, cluster: Cluster |
     failure, restart the workers from the last checkpoint and retry the failed step,
     at most this many times; needs ``checkpoint_dir``). Steps between the checkpoint
     and the failure are not replayed (their batches are gone): with
-    ``checkpoint_every=k`` up to k - 1 steps of progress are lost.
+    ``checkpoint_every=k`` up to k - 1 steps of progress are lost. On real hosts, a
+    restart waits ``host_timeout_s`` (default 60) for a lost host to come back, then
+    plans again for the hosts left and continues there from the checkpoint.
+
+    A model built on the meta device (``alpa_torch.empty_weights()``): ``weights`` (a
+    directory of safetensors files, Hugging Face's layout) or ``init_fn`` (called on each
+    module after its ``reset_parameters``) give its values on the workers, each reading
+    or making only its slices (``alpa_torch.initial_state``).
     """
     if isinstance(train_step, Cluster):  # @parallelize(cluster)
         if cluster is not None:

@@ -1,11 +1,11 @@
 """Driver memory as models grow: the driver holds no full tensor of a model built on the meta device.
 
-Usage (from the repository root; about 5 minutes on 2 cores)::
+Usage (from the repository root; about 6 minutes on 2 cores)::
 
     python bench/driver_memory.py                  # every size, eager check on the small ones
     python bench/driver_memory.py --sizes s,m --out /tmp/dm.jsonl
 
-Each size is a GPT (``alpa_torch.zoo.GPT``, vocabulary 512, 64 tokens) built under
+Each size is a GPT (``alpa_torch.zoo.GPT``, vocabulary 512, 64 tokens, batch 4; ``SIZES``) built under
 ``alpa_torch.empty_weights()`` and trained ``--steps`` AdamW steps on ``Cluster.local(1, 4)``
 with ``parallelize(..., pipeline=False, memory_budget_bytes=B)``: one stage on the four
 devices whose budget ``B`` (40 % of the replicated footprint) makes the planner shard the
@@ -29,10 +29,14 @@ import subprocess
 import sys
 import time
 
-SIZES = {  # name: (n_embd, n_layer); n_head = n_embd // 64
-    "s": (256, 4), "m": (512, 4), "l": (768, 8), "xl": (1024, 16),
+SIZES = {  # name: (n_embd, n_layer); n_head = n_embd // 64. The default series grows the width at a
+    # fixed depth (14.6M to 247.5M parameters, 17x): the same graph, so the driver's share that
+    # grows with the number of operators (capture, planning) stays out of the comparison.
+    "s": (384, 8), "m": (768, 8), "l": (1152, 8), "xl": (1600, 8),
+    "deep-s": (256, 4), "deep-xl": (1024, 24),  # depth: 1,236 -> 6,916 operators (diagnostic)
 }
-EAGER = ("s", "m")
+DEFAULT = ("s", "m", "l", "xl")
+EAGER = ("s", "m", "l")
 VOCAB, TOKENS, BATCH, SEED = 512, 64, 4, 0
 
 
@@ -133,7 +137,7 @@ def _run(mode: str, size: str, steps: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {list(SIZES)}")
+    p.add_argument("--sizes", default=",".join(DEFAULT), help=f"comma-separated, of {list(SIZES)}")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--eager", default=",".join(EAGER), help="sizes also run eagerly (empty: none)")
     p.add_argument("--out", help="append the JSON lines to this file too")

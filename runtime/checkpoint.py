@@ -316,7 +316,8 @@ def open_checked(path: Path, entry: dict):
         raise CheckpointError(f"{str(file)!r} is missing (or a link); the checkpoint is incomplete. {_FIX}")
     digest, size = hashlib.sha256(), 0
     with open(file, "rb") as f:
-        if f.read(1) == b"\x80":
+        head = f.read(9)  # safetensors: the header's length (8 bytes, little-endian), then its JSON
+        if head[8:9] != b"{" and head[:1] == b"\x80":  # a length's first byte may be 0x80 too
             raise CheckpointError(f"{str(file)!r} is a pickle, not safetensors; alpa-torch never unpickles "
                                   f"checkpoint files (it could run code). {_FIX}")
         f.seek(0)

@@ -110,3 +110,16 @@ def cluster_from_ray(address: str | None = None, device: str | DeviceSpec | None
     layout = read_ray_layout(address, device)
     return Cluster.discovered(layout.num_hosts, layout.devices_per_host, layout.device, layout.backend,
                               layout.threads_per_device, intra=intra, inter=inter)
+
+
+def hosts_left(cluster: Cluster) -> Cluster | None:
+    """``cluster`` cut to the hosts Ray reports alive now, when fewer than its own (same device,
+    links and threads; as many devices per host as before, or fewer if every node has fewer);
+    None when all of its hosts are there. Raises ``ClusterSpecError`` when none is left."""
+    import dataclasses
+
+    layout = read_ray_layout(None, cluster.device)
+    per_host = min(layout.devices_per_host, cluster.devices_per_host)
+    if layout.num_hosts >= cluster.num_hosts and per_host == cluster.devices_per_host:
+        return None
+    return dataclasses.replace(cluster, num_hosts=min(layout.num_hosts, cluster.num_hosts), devices_per_host=per_host)

@@ -75,10 +75,11 @@ class WorkerGroup:
     @classmethod
     def start(cls, cluster: Cluster, *, address: str | None = None, timeout_s: float = 120.0,
               call_timeout_s: float = 600.0, collective_timeout_s: float = 300.0,
-              log_to_driver: bool = False) -> WorkerGroup:
+              log_to_driver: bool = False, reserve_timeout_s: float | None = None) -> WorkerGroup:
         """Start a worker per device of ``cluster`` and join them into one process group.
 
-        ``timeout_s`` bounds each start-up phase (resources, actors, process group);
+        ``timeout_s`` bounds each start-up phase (resources, actors, process group;
+        ``reserve_timeout_s``, if given, the first);
         ``collective_timeout_s`` is torch.distributed's own timeout inside the workers.
         Raises ``ClusterSpecError`` if Ray is too small, ``WorkerError`` if a phase fails.
         """
@@ -88,7 +89,7 @@ class WorkerGroup:
         group.startup_s["ray"] = time.perf_counter() - t0
         try:
             plan = plan_resources(cluster, alive_nodes())
-            group._reserve(plan, timeout_s)
+            group._reserve(plan, timeout_s if reserve_timeout_s is None else reserve_timeout_s)
             group._start_actors(plan, timeout_s)
             group._init_process_group(timeout_s, collective_timeout_s)
         except BaseException:

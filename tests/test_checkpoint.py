@@ -132,6 +132,19 @@ def test_manifest_naming_a_pickle_is_refused(tmp_path):
         parallelize(train_step, cluster=Cluster.local(1, 1)).load(str(path))
 
 
+def test_a_shard_whose_header_length_starts_with_0x80_is_not_taken_for_a_pickle(tmp_path):
+    """safetensors opens with its header's length (8 bytes, little-endian): its first byte is 0x80
+    for one header size in 256, and such a shard loaded as "a pickle" before."""
+    for name_len in range(1, 300):
+        entry = ckpt.write_shard_file(tmp_path, 0, {"w" * name_len: (torch.zeros(2), [[0, 2]])})
+        if (tmp_path / entry["file"]).read_bytes()[:1] == b"\x80":
+            break
+    else:
+        pytest.fail("no header length with first byte 0x80 in the range tried")
+    with ckpt.open_checked(tmp_path, entry) as f:
+        assert torch.equal(f.get_tensor("w" * name_len), torch.zeros(2))
+
+
 def test_shard_file_replaced_by_a_pickle_is_refused(tmp_path):
     path, _ = _saved(tmp_path)
     (path / "rank1.safetensors").write_bytes(pickle.dumps({"weight": torch.zeros(2, 3)}))

@@ -188,3 +188,25 @@ def test_sharded_hf_checkpoint_loads_into_the_plans_shards(tmp_path):
             assert float(step(model, opt, batch)) == pytest.approx(want, abs=1e-5)
     finally:
         step.shutdown()
+
+
+# ---------------------------------------------------------------- larger than the driver
+@pytest.mark.slow
+def test_a_model_whose_state_outgrows_the_driver_trains_and_equals_eager():
+    """``bench/driver_memory.py`` size 'l' (127M parameters, AdamW state 1.5 GB) in its own driver
+    process: the driver's peak RSS stays under half the state, each of the four workers holds
+    about a quarter of it, and the losses equal eager training of ``init_weights`` (another process)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench" / "driver_memory.py"
+    out = subprocess.run([sys.executable, str(bench), "--sizes", "l", "--eager", "l"], capture_output=True,
+                         text=True, timeout=900, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = json.loads(out.stdout.splitlines()[0])
+    assert line["adamw_state_bytes"] > 1.4e9
+    assert line["driver_peak_rss_bytes"] < line["adamw_state_bytes"] / 2, line
+    assert all(0.24 <= s <= 0.3 for s in line["worker_state_share"]), line["worker_state_share"]
+    assert line["max_loss_diff"] <= 1e-4, (line["losses"], line["eager_losses"])

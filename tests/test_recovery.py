@@ -79,6 +79,7 @@ def test_stage_failure_names_the_stage_of_the_dead_device():
     ({"max_restarts": 2}, "max_restarts=2 needs checkpoint_dir"),
     ({"max_restarts": -1, "checkpoint_dir": "x"}, "max_restarts=-1"),
     ({"checkpoint_every": 0, "checkpoint_dir": "x"}, "checkpoint_every=0"),
+    ({"host_timeout_s": -1}, "host_timeout_s=-1 must be a number of seconds"),
 ])
 def test_bad_restart_options(kwargs, message):
     with pytest.raises(CheckpointError, match=message):
