@@ -32,8 +32,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import json
 import logging
 import math
+import os
 import time
 import warnings
 import weakref
@@ -386,6 +388,29 @@ class ParallelStep(ResilientStep):
             "optimizer": {k: v for k, v in full.items() if k not in model_keys},
             "step": self._step,
         }
+
+    def save_pretrained(self, directory: str) -> str:
+        """The model's trained weights in Hugging Face's layout, written by the workers (each
+        tensor gathered whole on one device of its stage, none through the driver): files
+        ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json`` in
+        ``directory``. The keys are the model's ``state_dict()`` keys (tied weights once,
+        non-persistent buffers left out), so ``parallelize(..., weights=directory)`` and
+        transformers' ``from_pretrained`` (with the model's ``config.json`` beside) read them.
+        Returns the directory's absolute path."""
+        self._check_open()
+        if self.engine is None:
+            raise PlanError("the step has not run yet: call it once before save_pretrained()")
+        model = self._trains[0]()
+        keys = set(model.state_dict()) if model is not None else None
+        names = [s.name for s in self.graph.inputs
+                 if s.kind in ("param", "buffer") and (keys is None or s.name in keys)]
+        path = os.path.abspath(directory)
+        os.makedirs(path, exist_ok=True)
+        weight_map = self.engine.export_weights(path, names)
+        total = sum(s.nbytes for s in self.graph.inputs if s.name in weight_map)
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+        return path
 
     def sync(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Copy the trained state into ``model`` (and ``optimizer``), as eager training would leave them."""

@@ -10,7 +10,8 @@ Each size is a GPT (``alpa_torch.zoo.GPT``, vocabulary 512, 64 tokens, batch 4; 
 with ``parallelize(..., pipeline=False, memory_budget_bytes=B)``: one stage on the four
 devices whose budget ``B`` (40 % of the replicated footprint) makes the planner shard the
 weights and optimizer state (a ZeRO-like plan), initialised on the workers
-(``init_fn=GPT._init_weights``). Each size runs in its own process; one JSON line each:
+(``init_fn=GPT._init_weights``), planned afresh (no plan cache: a cached plan skips the
+search and its memory, so the driver's peak would depend on earlier runs). Each size runs in its own process; one JSON line each:
 parameters, full AdamW state bytes (weights + two moments, fp32), the driver's peak RSS and
 its RSS before the first call, each worker's peak RSS and the state bytes it holds, seconds
 to the first step, losses; ``--eager`` sizes also run eagerly in another process from
@@ -96,7 +97,7 @@ def child(size: str, steps: int) -> dict:
     batches = _batches(steps)
     rss_before = _rss_bytes()
     step = parallelize(train_step, Cluster.local(1, 4), pipeline=False, init_fn=GPT._init_weights, tune=False,
-                       memory_budget_bytes=0.4 * 4 * state_bytes)
+                       memory_budget_bytes=0.4 * 4 * state_bytes, plan_cache=False)  # planned here, every run
     try:
         t0 = time.perf_counter()
         losses = [float(step(model, optimizer, batches[0]))]

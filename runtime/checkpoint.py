@@ -126,6 +126,24 @@ def save_runner(runner, directory: str, rank: int) -> dict | None:
     return write_shard_file(directory, rank, local_tiles(runner.state))
 
 
+def export_runner(runner, directory: str, file: str | None, order: list[str], mine: list[str]) -> None:
+    """Inside a worker: gather each tensor of ``order`` whole (a collective of the stage's devices,
+    called in the same order on each) and write those in ``mine`` to ``directory/file``
+    (Hugging Face's safetensors layout: whole tensors, format "pt")."""
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
+
+    keep, state = {}, runner.state
+    for name in order:
+        value = state[name]
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if name in mine:
+            keep[name] = full.detach().cpu().contiguous().clone()
+        del full  # one gathered tensor at a time besides those kept
+    if file is not None:
+        save_file(keep, str(Path(directory) / file), metadata={"format": "pt"})
+
+
 # ---------------------------------------------------------------- driver: write
 def save_checkpoint(directory: str | os.PathLike[str], write_shards: Callable[[str], list[dict | None]],
                     meta: dict) -> Path:

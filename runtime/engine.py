@@ -151,6 +151,12 @@ def _save(state: dict, directory: str) -> dict | None:
     return save_runner(state["runner"], directory, state["rank"])
 
 
+def _export(state: dict, directory: str, file: str | None, order: list[str], mine: list[str]) -> None:
+    from .checkpoint import export_runner
+
+    export_runner(state["runner"], directory, file, order, mine)
+
+
 # ---------------------------------------------------------------- driver side
 
 
@@ -260,6 +266,24 @@ class Engine:
             return self.group.call_all(_save, directory)
         except WorkerError as exc:
             raise stage_failure(exc, [st.ranks for st in self.stages]) from exc
+
+    def export_weights(self, directory: str, names: list[str]) -> dict[str, str]:
+        """Write the state ``names`` whole into Hugging Face's layout in ``directory``, each tensor
+        by one device of its stage (the least loaded so far), none through the driver: files
+        ``model-0000k-of-0000n.safetensors``; returns tensor name -> file (the index's weight map)."""
+        size = {s.name: s.nbytes for s in self.graph.inputs}
+        order, load, mine = [[] for _ in self.stages], [0] * self.group.world_size, {}
+        for name in names:
+            k = 0 if self.sources is None else next(i for i, src in enumerate(self.sources) if name in src)
+            order[k].append(name)
+            rank = min(self.stages[k].ranks, key=lambda r: load[r])
+            load[rank] += size[name]
+            mine.setdefault(rank, []).append(name)
+        writers = sorted(mine)
+        files = {r: f"model-{i + 1:05d}-of-{len(writers):05d}.safetensors" for i, r in enumerate(writers)}
+        self.group.call_all(_export, directory, per_rank_args=[
+            (files.get(r), order[self.stage_of_rank[r]], mine.get(r, [])) for r in range(self.group.world_size)])
+        return {name: files[r] for r, ns in mine.items() for name in ns}
 
     # ------------------------------------------------------------------ steps
     def split(self, batch: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:

@@ -58,7 +58,9 @@ class Values:
         return Values({k: v for k, v in self.values.items() if k in names})
 
     def read(self, name: str, box: Box, dtype: torch.dtype) -> torch.Tensor:
-        return from_wire(self.values[name])[_slices(box)].to(dtype)
+        full = from_wire(self.values[name])
+        part = full[_slices(box)].to(dtype)
+        return part if part.numel() == full.numel() else part.clone()  # a view would keep the whole alive
 
 
 class Zeros:

@@ -210,3 +210,34 @@ def test_a_model_whose_state_outgrows_the_driver_trains_and_equals_eager():
     assert line["driver_peak_rss_bytes"] < line["adamw_state_bytes"] / 2, line
     assert all(0.24 <= s <= 0.3 for s in line["worker_state_share"]), line["worker_state_share"]
     assert line["max_loss_diff"] <= 1e-4, (line["losses"], line["eager_losses"])
+
+
+def test_save_pretrained_writes_what_from_pretrained_and_weights_read(tmp_path):
+    """Trained on two devices, exported by the workers in Hugging Face's layout: transformers'
+    from_pretrained reads the trained weights, and weights= starts a new step from them."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_llama_config())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    step = parallelize(hf_step, Cluster.local(1, 2), tune=False)
+    try:
+        step(model, opt, batch)
+        out = step.save_pretrained(str(tmp_path / "export"))
+        trained = step.state_dict()["model"]
+        after = float(step(model, opt, batch))
+    finally:
+        step.shutdown()
+    model.config.save_pretrained(out)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(out)
+    for name, p in loaded.state_dict().items():
+        torch.testing.assert_close(p, trained[name], atol=0, rtol=0, msg=name)
+
+    with alpa_torch.empty_weights():
+        again = transformers.LlamaForCausalLM(_llama_config())
+    resumed = parallelize(hf_step, Cluster.local(1, 2), weights=out, tune=False)
+    try:  # the weights without the optimizer state: the first loss is the trained model's
+        first = float(resumed(again, torch.optim.AdamW(again.parameters(), lr=1e-3), batch))
+    finally:
+        resumed.shutdown()
+    assert first == pytest.approx(after, abs=1e-5)
