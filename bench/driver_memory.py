@@ -12,8 +12,8 @@ devices whose budget ``B`` (40 % of the replicated footprint) makes the planner 
 weights and optimizer state (a ZeRO-like plan), initialised on the workers
 (``init_fn=GPT._init_weights``), planned afresh (no plan cache: a cached plan skips the
 search and its memory, so the driver's peak would depend on earlier runs). Each size runs in
-its own process; one JSON line each: parameters, full AdamW state bytes (weights + two moments, fp32), the driver's peak RSS and
-its RSS before the first call, each worker's peak RSS and the state bytes it holds, seconds
+its own process; one JSON line each: parameters, full AdamW state bytes (weights + two
+moments, fp32), the driver's peak RSS and its RSS before the first call, each worker's peak RSS and the state bytes it holds, seconds
 to the first step, losses; ``--eager`` sizes also run eagerly in another process from
 ``alpa_torch.init_weights`` (the same initialisation on one device) and report the largest
 loss difference. A summary line gives the driver's peak growth from the smallest to the
