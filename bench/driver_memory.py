@@ -5,19 +5,20 @@ Usage (from the repository root; about 6 minutes on 2 cores)::
     python bench/driver_memory.py                  # every size, eager check on the small ones
     python bench/driver_memory.py --sizes s,m --out /tmp/dm.jsonl
 
-Each size is a GPT (``alpa_torch.zoo.GPT``, vocabulary 512, 64 tokens, batch 4; ``SIZES``) built under
-``alpa_torch.empty_weights()`` and trained ``--steps`` AdamW steps on ``Cluster.local(1, 4)``
-with ``parallelize(..., pipeline=False, memory_budget_bytes=B)``: one stage on the four
-devices whose budget ``B`` (40 % of the replicated footprint) makes the planner shard the
-weights and optimizer state (a ZeRO-like plan), initialised on the workers
-(``init_fn=GPT._init_weights``), planned afresh (no plan cache: a cached plan skips the
-search and its memory, so the driver's peak would depend on earlier runs). Each size runs in
-its own process; one JSON line each: parameters, full AdamW state bytes (weights + two
-moments, fp32), the driver's peak RSS and its RSS before the first call, each worker's peak RSS and the state bytes it holds, seconds
-to the first step, losses; ``--eager`` sizes also run eagerly in another process from
-``alpa_torch.init_weights`` (the same initialisation on one device) and report the largest
-loss difference. A summary line gives the driver's peak growth from the smallest to the
-largest size (target <= 10 %) and each worker's share of the state (target about 1/4).
+Each size is a GPT (``alpa_torch.zoo.GPT``, vocabulary 512, 64 tokens, batch 4; ``SIZES``)
+built under ``alpa_torch.empty_weights()`` and trained ``--steps`` AdamW steps on
+``Cluster.local(1, 4)`` with ``parallelize(..., pipeline=False, memory_budget_bytes=B)``: one
+stage on the four devices whose budget ``B`` (40 % of the replicated footprint) makes the
+planner shard the weights and optimizer state (a ZeRO-like plan), initialised on the workers
+(``init_fn=GPT._init_weights``), planned afresh (no plan cache: a cached plan skips the search
+and its memory, so the driver's peak would depend on earlier runs). Each size runs in its own
+process; one JSON line each: parameters, full AdamW state bytes (weights + two moments, fp32),
+the driver's peak RSS and its RSS before the first call, each worker's peak RSS and the state
+bytes it holds, seconds to the first step, losses; ``--eager`` sizes also run eagerly in
+another process from ``alpa_torch.init_weights`` (the same initialisation on one device) and
+report the largest loss difference. A summary line gives the driver's peak growth from the
+smallest to the largest size (target <= 10 %) and each worker's share of the state (target
+about 1/4).
 """
 
 from __future__ import annotations
