@@ -43,3 +43,29 @@ def ray_session() -> Iterator[None]:
     finally:
         if started:
             stop_ray()
+
+
+def two_ray_nodes(**head_args) -> Iterator[tuple]:
+    """A Ray cluster of two nodes of one CPU each on this machine (``ray.cluster_utils.Cluster``),
+    this process connected to it; yields ``(cluster, second_node)``. The session's single-node Ray
+    is shut down first (a module of such tests needs its own cluster)."""
+    import os
+
+    import ray
+    from ray.cluster_utils import Cluster as RayCluster
+
+    from runtime.ray_env import _configure_token_auth, _refresh_ray_auth_config
+
+    if ray.is_initialized():
+        ray.shutdown()
+    if _configure_token_auth(os.environ):
+        _refresh_ray_auth_config()
+    cluster = RayCluster(initialize_head=True, head_node_args={"num_cpus": 1, **head_args})
+    second = cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address)
+    try:
+        yield cluster, second
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

@@ -11,11 +11,12 @@ start on two cores): ``python -m pytest -m slow tests/test_lose_host.py``; CI ru
 from __future__ import annotations
 
 import copy
-import os
 import shutil
 
 import pytest
 import torch
+
+from tests.conftest import two_ray_nodes
 
 pytestmark = pytest.mark.slow
 
@@ -23,24 +24,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def two_nodes():
     """A head node and a second node, one CPU each; this process connected to them."""
-    import ray
-    from ray.cluster_utils import Cluster as RayCluster
-
-    from runtime.ray_env import _configure_token_auth, _refresh_ray_auth_config
-
-    if ray.is_initialized():
-        ray.shutdown()  # the session's single-node Ray: this module needs its own cluster
-    if _configure_token_auth(os.environ):
-        _refresh_ray_auth_config()
-    cluster = RayCluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    second = cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address)
-    try:
-        yield cluster, second
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    yield from two_ray_nodes(include_dashboard=False)
 
 
 def test_losing_a_host_plans_again_for_the_one_left_and_continues(two_nodes, tmp_path):

@@ -19,6 +19,8 @@ import sys
 import pytest
 import torch
 
+from tests.conftest import two_ray_nodes
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
 
@@ -32,26 +34,9 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def two_nodes():
     """Two Ray nodes of one CPU each, this process connected to them; the dashboard (job server) on the head."""
-    import ray
-    from ray.cluster_utils import Cluster as RayCluster
-
-    from runtime.ray_env import _configure_token_auth, _refresh_ray_auth_config
-
-    if ray.is_initialized():
-        ray.shutdown()  # the session's single-node Ray: this module needs its own cluster
-    if _configure_token_auth(os.environ):
-        _refresh_ray_auth_config()
     dash = _free_port()
-    cluster = RayCluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dash})
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address)
-    try:
+    for cluster, _ in two_ray_nodes(include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=dash):
         yield cluster, dash
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def _train(cluster, **options):
