@@ -73,7 +73,8 @@ def empty_weights() -> Iterator[None]:
 
 def model_sources(graph: OpGraph, model: torch.nn.Module, functional: FunctionalOptimizer, *, seed: int,
                   init_fn=None, weights: str | Path | None = None) -> list:
-    """The sources of the step's initial state (first source that has a name gives it)."""
+    """The sources of the step's initial state (the first source that has a name gives it):
+    ``weights``' files, the values the driver holds, zeros, the initialisation on the workers."""
     tensors = dict(model.named_parameters())
     tensors.update(model.named_buffers())
     values, zeros = {}, []
@@ -93,13 +94,14 @@ def model_sources(graph: OpGraph, model: torch.nn.Module, functional: Functional
                 zeros.append(f"{name}.{key}")
     if functional.device_step:  # fp16 loss scaling state
         values.update(LossScaler.initial_state(functional.step_count()))
-    sources: list = [Values(to_wire_dict(values))]
-    if zeros:
-        sources.append(Zeros(zeros))
-    if weights is not None:
+    sources: list = []
+    if weights is not None:  # first: the files' weights win over the model's own values
         found = weights_source(graph, weights)
         sources.append(found)
         meta = [n for n in meta if n not in found.names]
+    sources.append(Values(to_wire_dict({k: v for k, v in values.items() if weights is None or k not in found.names})))
+    if zeros:
+        sources.append(Zeros(zeros))
     if meta:
         missing = uninitialisable(model, meta, init_fn)
         if missing:
