@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -149,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child or args.eager_child:
         print(json.dumps(child(args.child, args.steps) if args.child else eager(args.eager_child, args.steps)))
         return 0
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _plans import machine_info
+    from _plans import machine_info  # bench/ is on the path of a script run from it
 
     sizes = args.sizes.split(",")
     lines = []

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
 import os
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -46,7 +45,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
@@ -66,7 +64,18 @@ from .grad_buckets import (
     replicate_over_world,
     shard_to_shard,
 )
-from .program import CALL, GET_ATTR, GETITEM, MARKER, OUTPUT, Program, Ref, compile_program
+from .program import (
+    CALL,
+    GET_ATTR,
+    GETITEM,
+    MARKER,
+    OUTPUT,
+    Program,
+    Ref,
+    compile_program,
+    record_target,
+    serialize_graph,
+)
 from .replay import InputMeta, StepReplay, agree, check_local, compile_local, meta_of, run_local, to_local, wrap
 from .rng import RandomStream, is_random
 from .state_sources import shard
@@ -110,33 +119,6 @@ def total_loss(results: list) -> float:
     return float(total / np.float32(results[0].divisor))
 
 
-def serialize_graph(gm: fx.GraphModule) -> list[tuple]:
-    """The graph as picklable records ``(op, name, target, args, kwargs, inputs)``.
-
-    Workers execute records directly: no re-tracing, no code generation."""
-    records = []
-    for n in gm.graph.nodes:
-        args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: Ref(a.name))
-        target = n.target
-        if isinstance(target, torch._ops.OpOverload):
-            target = f"op:{target}"  # e.g. 'op:aten.mm.default'; OpOverloads do not pickle
-        elif target is operator.getitem:
-            target = "getitem"
-        if n.op == "get_attr":
-            target, args = n.target, (getattr(gm, n.target).detach().clone(),)
-        records.append((n.op, n.name, target, args, kwargs, tuple(a.name for a in n.all_input_nodes)))
-    return records
-
-
-def _target(t):
-    if t == "getitem":
-        return operator.getitem
-    if isinstance(t, str) and t.startswith("op:"):
-        ns, name, overload = t[3:].split(".")
-        return getattr(getattr(getattr(torch.ops, ns), name), overload)
-    return t
-
-
 class StageRunner:
     """Holds one device's shards of the model state and runs the planned step."""
 
@@ -160,7 +142,7 @@ class StageRunner:
         self.local_only: set[str] = set()
         self.contiguous_views: set[str] = set()
         """Views whose input shard arrives with strides a view refuses: they view a contiguous copy."""
-        self.nodes = [(op, name, _target(t) if op == "call_function" else t, a, k, i)
+        self.nodes = [(op, name, record_target(t) if op == "call_function" else t, a, k, i)
                       for op, name, t, a, k, i in records]
         self.reductions = {} if self.local else find_reductions(
             self.nodes, self.value_specs, self.input_specs, GRAD_MARKER_NAME)

@@ -209,7 +209,7 @@ OP_CHAIN_LENGTHS = (40, 200)
 
 
 def _chain_records(n: int, shape: tuple[int, ...]) -> list[tuple]:
-    """Serialized graph (``interpreter.serialize_graph``) of ``n`` chained aten operators on inputs
+    """Serialized graph (``program.serialize_graph``) of ``n`` chained aten operators on inputs
     ``x``, ``y``: add, mul, flatten view, view back, repeated."""
     import torch.fx as fx  # noqa: PLC0415
 

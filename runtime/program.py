@@ -15,7 +15,7 @@ Owns two things, both decided once when a worker installs its program, never per
   are never freed here.
 
 It does not run anything (``interpreter.py`` does) and knows nothing of
-shardings. Records come from ``interpreter.serialize_graph``:
+shardings. Records come from ``serialize_graph`` (below):
 ``(op, name, target, args, kwargs, inputs)`` with ``Ref`` marking a reference
 to another record's value.
 """
@@ -26,7 +26,9 @@ import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 import torch.utils._pytree as pytree
+from torch import fx
 
 
 class Ref(str):
@@ -189,3 +191,31 @@ def _assign_frees(steps: list[Step], keep: set[str]) -> None:
             free.setdefault(i, []).append(name)
     for i, names in free.items():
         steps[i].free = tuple(names)
+
+
+def serialize_graph(gm: fx.GraphModule) -> list[tuple]:
+    """The graph as picklable records ``(op, name, target, args, kwargs, inputs)``.
+
+    Workers execute records directly: no re-tracing, no code generation."""
+    records = []
+    for n in gm.graph.nodes:
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: Ref(a.name))
+        target = n.target
+        if isinstance(target, torch._ops.OpOverload):
+            target = f"op:{target}"  # e.g. 'op:aten.mm.default'; OpOverloads do not pickle
+        elif target is operator.getitem:
+            target = "getitem"
+        if n.op == "get_attr":
+            target, args = n.target, (getattr(gm, n.target).detach().clone(),)
+        records.append((n.op, n.name, target, args, kwargs, tuple(a.name for a in n.all_input_nodes)))
+    return records
+
+
+def record_target(t):
+    """The callable a record's target names (``serialize_graph``'s spelling undone)."""
+    if t == "getitem":
+        return operator.getitem
+    if isinstance(t, str) and t.startswith("op:"):
+        ns, name, overload = t[3:].split(".")
+        return getattr(getattr(getattr(torch.ops, ns), name), overload)
+    return t
