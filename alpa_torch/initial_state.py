@@ -10,7 +10,7 @@ buffer and optimizer state of the step (``OpGraph.inputs``) it picks one source
   module, with ``init_fn(module)`` or the module's ``reset_parameters()``, seeded so
   that the values equal ``alpa_torch.init_weights(model, init_fn)`` on one device;
 - optimizer state: the user's optimizer's if it has some, else zeros (a fresh
-  ``torch.optim`` optimizer), made on the workers;
+  ``torch.optim`` optimizer) made on the workers, for any model;
 - a checkpoint (``ParallelStep.load``): its tiles, read by the workers (the driver
   reads the manifest only).
 """
@@ -82,24 +82,26 @@ def model_sources(graph: OpGraph, model: torch.nn.Module, functional: Functional
     for n, t in tensors.items():
         if not t.is_meta:
             values[n] = t.detach()
-    for name in functional.names:
-        for key, v in functional.initial_state(name, tensors[name]).items():
-            if not v.is_meta:
-                values[f"{name}.{key}"] = v
-            elif key in functional.user_state(name):
+    for name in functional.names:  # FunctionalOptimizer.initial_state's rule, its zeros made on the workers
+        user = functional.user_state(name)
+        for key in functional.state_names(name):
+            value = user.get(key)
+            if value is None:
+                zeros.append(f"{name}.{key}")
+            elif value.is_meta:
                 raise PlanError(f"the optimizer's state {key!r} of {name} is on the meta device: it holds no values. "
                                 "Fix: create the optimizer fresh (its state then starts at zero on the workers), or "
                                 "load its state with step.load(checkpoint)")
             else:
-                zeros.append(f"{name}.{key}")
+                values[f"{name}.{key}"] = value.detach()
     if functional.device_step:  # fp16 loss scaling state
         values.update(LossScaler.initial_state(functional.step_count()))
     sources: list = []
     if weights is not None:  # first: the files' weights win over the model's own values
-        found = weights_source(graph, weights)
-        sources.append(found)
-        meta = [n for n in meta if n not in found.names]
-    sources.append(Values(to_wire_dict({k: v for k, v in values.items() if weights is None or k not in found.names})))
+        sources.append(weights_source(graph, weights))
+        meta = [n for n in meta if n not in sources[0].names]
+        values = {k: v for k, v in values.items() if k not in sources[0].names}
+    sources.append(Values(to_wire_dict(values)))
     if zeros:
         sources.append(Zeros(zeros))
     if meta:

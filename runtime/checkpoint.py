@@ -69,6 +69,17 @@ Box = list[list[int]]
 
 
 # ---------------------------------------------------------------- worker side
+def local_box(shape, mesh, placements) -> Box:
+    """The box of a tensor of ``shape`` that this device of ``mesh`` holds under ``placements``
+    (DTensor's ``compute_local_shape_and_global_offset``; a partial placement holds every index)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    whole = [Replicate() if p.is_partial() else p for p in placements]
+    sizes, offset = compute_local_shape_and_global_offset(shape, mesh, whole)
+    return [[o, o + n] for o, n in zip(offset, sizes)]
+
+
 def local_tiles(state: dict[str, Any]) -> dict[str, tuple[torch.Tensor, Box]]:
     """This device's tiles of ``state`` (name -> DTensor): ``name -> (local tensor, box)``.
 
@@ -76,7 +87,6 @@ def local_tiles(state: dict[str, Any]) -> dict[str, tuple[torch.Tensor, Box]]:
     A partial sum is reduced first: a collective, so every device of the mesh must call
     this with the same names in the same order (a stage's runners do)."""
     from torch.distributed.tensor import DTensor, Replicate
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     out = {}
     for name, value in state.items():
@@ -91,13 +101,13 @@ def local_tiles(state: dict[str, Any]) -> dict[str, tuple[torch.Tensor, Box]]:
         coordinate = value.device_mesh.get_coordinate()
         if any(p.is_replicate() and coordinate[axis] != 0 for axis, p in enumerate(placements)):
             continue
-        shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, placements)
+        box = local_box(value.shape, value.device_mesh, placements)
         local = value.to_local()
-        assert tuple(local.shape) == tuple(shape), (name, local.shape, shape)
+        assert tuple(local.shape) == tuple(b - a for a, b in box), (name, local.shape, box)
         if local.numel() == 0:
             continue  # an uneven shard can be empty
         # clone: safetensors refuses tensors that share storage
-        out[name] = (local.detach().cpu().contiguous().clone(), [[o, o + n] for o, n in zip(offset, shape)])
+        out[name] = (local.detach().cpu().contiguous().clone(), box)
     return out
 
 

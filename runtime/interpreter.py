@@ -218,9 +218,9 @@ class StageRunner:
     def load_from(self, sources: list, metas: dict[str, tuple[tuple[int, ...], str]]) -> None:
         """Take this device's shards of the state named in ``metas`` (name -> full shape, dtype
         name) from ``sources`` (``state_sources``): only the slices it holds are read."""
+        mesh = None if self.local else self.mesh
         for kind, name, node in self.inputs:
             if kind in ("param", "buffer", "opt_state") and name in metas:
-                mesh = None if self.local else self.mesh
                 self._put_state(name, node, shard(sources, name, *metas[name], mesh,
                                                   self.value_specs.get(node, self.rep), self.device))
 

@@ -31,7 +31,7 @@ from ray import cloudpickle
 
 from alpa_torch.core.errors import CheckpointError, PlanError
 
-from .checkpoint import DTYPES, Box, open_checked
+from .checkpoint import DTYPES, Box, local_box, open_checked
 from .wire import from_wire
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -327,8 +327,7 @@ def shard(sources: list, name: str, shape: tuple[int, ...], dtype: str, mesh, pl
     """This device's part of state ``name`` (full ``shape``, ``dtype`` name) read from the first of
     ``sources`` that has it: a DTensor placed as ``placements`` on ``mesh`` (None: one device,
     a plain tensor). A partial placement holds the value at coordinate 0 of its axis, zeros elsewhere."""
-    from torch.distributed.tensor import DTensor, Replicate
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor import DTensor
 
     source = next((s for s in sources if name in s.names), None)
     if source is None:
@@ -337,21 +336,11 @@ def shard(sources: list, name: str, shape: tuple[int, ...], dtype: str, mesh, pl
     torch_dtype = DTYPES[dtype]
     if mesh is None:
         return source.read(name, [[0, n] for n in shape], torch_dtype).to(device)
-    whole = [Replicate() if p.is_partial() else p for p in placements]
-    local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, whole)
-    box = [[o, o + n] for o, n in zip(offset, local_shape)]
+    box = local_box(shape, mesh, placements)
     coordinate = mesh.get_coordinate()
     if any(p.is_partial() and coordinate[axis] != 0 for axis, p in enumerate(placements)):
-        local = torch.zeros(tuple(local_shape), dtype=torch_dtype)
+        local = torch.zeros(_shape(box), dtype=torch_dtype)
     else:
         local = source.read(name, box, torch_dtype)
     return DTensor.from_local(local.to(device), mesh, tuple(placements), run_check=False, shape=torch.Size(shape),
-                              stride=_contiguous_stride(shape))
-
-
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    stride, n = [], 1
-    for size in reversed(shape):
-        stride.append(n)
-        n *= max(size, 1)
-    return tuple(reversed(stride))
+                              stride=torch.empty(shape, device="meta").stride())
