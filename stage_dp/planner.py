@@ -25,7 +25,7 @@ from alpa_torch.core.plan import ParallelPlan
 
 from .coupling import batch_coupling
 from .layer_assign import assign_layers
-from .search import plan
+from .search import plan, planned_submeshes
 from .stage_costs import StageCostModel
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,6 @@ def make_plan_with_model(graph: OpGraph, cluster: Cluster, options: PlanOptions 
         layers = assign_layers(graph, options.num_layers)
     except ValueError as exc:
         raise PlanError(str(exc)) from exc
-    model = StageCostModel(graph, cluster, layers, sharding=options.sharding,
-                           logical_shapes=options.logical_shapes, progress=progress)
+    model = StageCostModel(graph, cluster, layers, sharding=options.sharding, logical_shapes=options.logical_shapes,
+                           progress=progress, submeshes=planned_submeshes(cluster, options))
     return plan(graph, cluster, options, progress=progress, cost_model=model), model

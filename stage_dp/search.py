@@ -249,8 +249,8 @@ def _plan(graph, cluster, options: PlanOptions, *, progress, layers, cost_model)
     submesh, pipeline, sharding, schedule = options.submesh, options.pipeline, options.sharding, options.schedule
     if cost_model is None:
         layers = layers or assign_layers(graph, options.num_layers)
-        cost_model = StageCostModel(graph, cluster, layers, sharding=sharding,
-                                    logical_shapes=options.logical_shapes, progress=say)
+        cost_model = StageCostModel(graph, cluster, layers, sharding=sharding, logical_shapes=options.logical_shapes,
+                                    progress=say, submeshes=planned_submeshes(cluster, options))
     elif cost_model.graph is not graph or cost_model.cluster != cluster or cost_model.sharding != sharding:
         raise PlanError("cost_model was built for another graph, cluster or sharding option")
     model, layers = cost_model, cost_model.layers
@@ -269,7 +269,7 @@ def _plan(graph, cluster, options: PlanOptions, *, progress, layers, cost_model)
         return build_plan(graph, model, tables, res.stages, schedule, rule_budget, record).peak_memory_bytes
 
     search = functools.partial(_fitting_search, model, candidates, schedule, scale, num_stages, sub_idx, pipeline,
-                               sharding, ckpt, say, simulate=simulated_peak)
+                               sharding, ckpt, say, cap_budget=budget, simulate=simulated_peak)
 
     def planned(rule_budget: float) -> ParallelPlan:
         """The plan the memory rule picks under ``rule_budget``, its peak simulated (raises
@@ -332,22 +332,37 @@ FIT_MARGIN = 0.005
 
 
 def _fitting_search(model, candidates, schedule, scale, num_stages, sub_idx, pipeline, sharding, ckpt, say,
-                    budget: float, simulate=None):
+                    budget: float, *, cap_budget: float, simulate=None):
     """``(dp result, tables, lean_all)`` of the best plan whose memory rule fits ``budget``; raises
     ``InfeasibleMemoryError`` if none does, even with least-memory ILP variants on every mesh
-    (``simulate(rule_budget)``: the simulated peak of the plan under a rule budget, for the error)."""
-    columns = with_recompute(candidate_columns(model, model.configs, budget, scale, lean_all=False), ckpt)
+    (``simulate(rule_budget)``: the simulated peak of the plan under a rule budget, for the error).
+    The 'lean' layer caps come from ``cap_budget``, the device's budget, not from the rule's
+    ``budget``: the plannings of ``_fitting``, which only tighten the rule, reuse every ILP
+    solution (a cap per rule budget re-solved every lean ILP: GPT-3 39B on 8x8 V100, three
+    refits, 70 s each)."""
+    columns = with_recompute(candidate_columns(model, model.configs, cap_budget, scale, lean_all=False), ckpt)
     best = _search(model, columns, candidates, budget, schedule, scale, num_stages, sub_idx, pipeline)
     lean_all = False
     if best is None and sharding:
         lean_all = True
         say("no plan fits; adding least-memory ILP variants for every mesh")
-        columns = with_recompute(candidate_columns(model, model.configs, budget, scale, lean_all=True), ckpt)
+        columns = with_recompute(candidate_columns(model, model.configs, cap_budget, scale, lean_all=True), ckpt)
         best = _search(model, columns, candidates, budget, schedule, scale, num_stages, sub_idx, pipeline)
     if best is None:
         _raise_infeasible(model, columns, candidates, budget, schedule, scale, num_stages, sub_idx, pipeline,
                           ckpt, simulate)
     return (*best, lean_all)
+
+
+def planned_submeshes(cluster, options: PlanOptions) -> list[tuple[int, int]] | None:
+    """The submesh shapes a search under ``options`` can place stages on: the forced
+    ``submesh``; the whole cluster for one stage (``pipeline=False``; stages tile the
+    cluster); else None (every one of ``Cluster.submesh_shapes``)."""
+    if options.submesh is not None:
+        return [tuple(options.submesh)]
+    if not options.pipeline:
+        return [(cluster.num_hosts, cluster.devices_per_host)]
+    return None
 
 
 def _check_options(cluster, options: PlanOptions) -> int | None:

@@ -62,7 +62,7 @@ import logging
 import math
 import operator
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -178,12 +178,16 @@ class StageCostModel:
     ``dtype``: whose peak FLOP/s prices compute; default the first parameter's dtype.
     ``workers``: processes for ``solve_many`` (default ``fork_pool.default_workers()``, at
     most 2; 1 solves everything in this process).
+    ``submeshes``: the submesh shapes stages may take (default every one of the cluster's,
+    ``Cluster.submesh_shapes``); a one-stage search needs only the whole cluster's
+    (``search.planned_submeshes``), and prices a sixth of the meshes on 8x8.
     """
 
     def __init__(self, graph, cluster, layers: LayerAssignment, *, sharding: bool = True,
                  logical_shapes: str = "alpa", ilp_time_limit_s: float = 60.0, mip_gap: float = 0.01,
                  progress: Callable[[str], None] | None = None, solution_cache: dict | None = None,
-                 dtype: str | None = None, workers: int | None = None):
+                 dtype: str | None = None, workers: int | None = None,
+                 submeshes: Sequence[tuple[int, int]] | None = None):
         if logical_shapes not in ("alpa", "all"):
             raise ValueError(f"logical_shapes must be 'alpa' or 'all', got {logical_shapes!r}")
         self.graph, self.cluster, self.layers = graph, cluster, layers
@@ -195,7 +199,10 @@ class StageCostModel:
         self.dtype = dtype or (params[0] if params else "float32")
         self.fx_nodes = {n.name: n for n in graph.gm.graph.nodes}
         self.sigs = LayerSignatures(graph, layers)
-        self.submeshes: tuple[tuple[int, int], ...] = tuple(cluster.submesh_shapes())
+        shapes = cluster.submesh_shapes()
+        self.submeshes: tuple[tuple[int, int], ...] = shapes if submeshes is None else tuple(map(tuple, submeshes))
+        if not set(self.submeshes) <= set(shapes):
+            raise ValueError(f"submeshes {list(self.submeshes)} are not all among the cluster's {list(shapes)}")
         self.configs: tuple[MeshConfig, ...] = self._configs()
         self.cross_edges = self._cross_edges()
         self._solutions: dict[tuple, LayerCost] = {} if solution_cache is None else solution_cache
@@ -299,6 +306,10 @@ class StageCostModel:
                 self._solutions[key] = cost
                 self.num_ilps += 1
                 self.ilp_s += seconds
+        for group in todo:  # the lean ones a job skipped: their fast solution, so no later batch sends them again
+            for key, (layer, cfg, scale) in group:
+                if key not in self._solutions:
+                    self.layer_cost(layer, cfg, scale)
 
     def _solve(self, rep: int, mesh: cm.MeshCost, variant: str, cap: float | None,
                scale: float) -> LayerCost:

@@ -19,10 +19,12 @@ import torch
 from alpa_torch.capture import capture
 from alpa_torch.core.cluster import Cluster
 from alpa_torch.core.errors import BatchSplitError, InfeasibleMemoryError, PlanError
+from alpa_torch.core.options import PlanOptions
 from alpa_torch.core.plan import ParallelPlan, tile_submeshes
 from alpa_torch.zoo import GPT, GPTConfig, _lm_batch, train_step
-from stage_dp import assign_layers
-from stage_dp.search import plan, tied_spans
+from stage_dp import assign_layers, search
+from stage_dp.checkpointing import Checkpointing
+from stage_dp.search import plan, planned_submeshes, tied_spans
 from stage_dp.stage_costs import StageCostModel
 
 CLUSTERS = {
@@ -139,6 +141,37 @@ def test_forced_options(graph, models):
         plan(graph, cl, cost_model=model, num_microbatches=3)
     with pytest.raises(PlanError, match="one stage"):
         plan(graph, cl, cost_model=model, pipeline=False, num_stages=2)
+
+
+def test_one_stage_search_prices_only_the_whole_cluster(graph, layers, models):
+    """pipeline=False builds its cost model over the whole cluster's submesh alone, and plans
+    what the search over every submesh plans with pipelining off."""
+    cl = models["v100_2x8"].cluster
+    lone = plan(graph, cl, layers=layers, pipeline=False)
+    assert lone.options["num_ilps"] <= 3 * len(cl.logical_mesh_shapes((2, 8)))  # 3 distinct layers
+    everywhere = plan(graph, cl, cost_model=models["v100_2x8"], pipeline=False)
+    assert lone.summary() == everywhere.summary()
+    assert lone.predicted_step_s == pytest.approx(everywhere.predicted_step_s, rel=1e-12)
+    forced = StageCostModel(graph, cl, layers, submeshes=planned_submeshes(cl, PlanOptions(submesh=(1, 4))))
+    assert {c.submesh for c in forced.configs} == {(1, 4)}
+    with pytest.raises(ValueError, match="not all among"):
+        StageCostModel(graph, cl, layers, submeshes=[(3, 8)])
+
+
+def test_tightening_the_memory_rule_reuses_every_ilp(graph, layers):
+    """The refits of ``_fitting`` only tighten the DP's rule: the lean layer caps stay those of
+    the device's budget, so no ILP is solved again."""
+    cl = Cluster.simulated(2, 8, device="v100-16gb", intra="nvlink2", inter="eth-25g")
+    model = StageCostModel(graph, cl, layers)
+    budget = 2e6  # bytes: tight enough that some layers get lean columns
+    args = (model, [1, 2, 4, 8], "1f1b", 1 / 8, None, None, True, True, Checkpointing.parse("auto"), lambda m: None)
+    search._fitting_search(*args, budget, cap_budget=budget)
+    solved = model.num_ilps
+    assert any(cfg.variant == "lean" for cols in search.candidate_columns(model, model.configs, budget, 1 / 8,
+                                                                          lean_all=False) for cfg in cols)
+    for rule in (0.97 * budget, 0.9 * budget):
+        search._fitting_search(*args, rule, cap_budget=budget)
+    assert model.num_ilps == solved
 
 
 def _without_timings(p: ParallelPlan) -> dict:
