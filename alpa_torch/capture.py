@@ -2,7 +2,7 @@
 
 The user writes ``train_step(model, optimizer, batch)``: zero_grad, forward,
 loss, ``loss.backward()``, ``optimizer.step()``, return loss. We trace it in
-two passes, both on fake tensors (no memory for weights, so a GPT-39B can be
+one or two passes, on fake tensors (no memory for weights, so a GPT-39B can be
 captured on a laptop; a model built on the ``meta`` device works too):
 
 1. ``make_fx`` runs the user's function with the module's parameters swapped
@@ -12,9 +12,12 @@ captured on a laptop; a model built on the ``meta`` device works too):
    optimizer (``alpa_torch.optim``) to the traced leaves, and each gradient is
    passed through the identity marker ``alpa.grad`` when ``.backward()``
    returns, so the gradient boundary stays visible in the graph.
-2. ``functionalize`` re-traces that graph: in-place ops (BatchNorm's running
-   statistics, ``clip_grad_norm_``'s scaling, ``x += y``) become pure ops whose
-   results are graph outputs.
+2. where that graph writes into a tensor, ``functionalize`` re-traces it:
+   in-place ops (BatchNorm's running statistics, ``clip_grad_norm_``'s
+   scaling, ``x += y``) become pure ops whose results are graph outputs. A
+   graph without one is already functional (the functional optimizer, autograd's
+   gradients as values; most Hugging Face models) and is not traced again: the
+   second pass was a third of capturing LLaMA-3-8B.
 
 Mixed precision (``precision='bf16'`` or ``'fp16'``): the user's step runs
 under ``torch.autocast`` while it is traced, so the graph holds autocast's own
@@ -422,8 +425,17 @@ def _trace(step_fn, fake_values, mode):
     # (the CPU flash kernel has no sharding strategy: docs/design.md).
     with mode, sdpa_kernel(SDPBackend.MATH):
         gm = make_fx(step_fn, decomposition_table=_DECOMPOSITIONS)(*fake_values)
-        gm = make_fx(torch.func.functionalize(gm, remove="mutations"))(*fake_values)
+        if _mutates(gm):  # re-tracing to functionalize is a third of capturing: only where something is written
+            gm = make_fx(torch.func.functionalize(gm, remove="mutations"))(*fake_values)
     return gm
+
+
+def _mutates(gm: fx.GraphModule) -> bool:
+    """Whether an operator of ``gm`` writes into a tensor (an in-place or ``out=`` op: BatchNorm's
+    running statistics, ``x.add_(...)`` in a step). The capture's own backward and optimizer
+    write nothing (the functional optimizer, gradients as values), so most graphs have none."""
+    return any(node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+               and node.target._schema.is_mutable for node in gm.graph.nodes)
 
 
 def _translate_trace_error(exc: BaseException) -> Exception | None:

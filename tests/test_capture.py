@@ -162,6 +162,29 @@ def _clipped_step(model, optimizer, batch):
     return loss
 
 
+def _make_fx_calls(monkeypatch) -> list:
+    import importlib
+
+    module = importlib.import_module("alpa_torch.capture")
+    calls, real = [], module.make_fx
+    monkeypatch.setattr(module, "make_fx", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("step, retraced", [(train_step, False), ("clipped", True)])
+def test_functionalized_only_where_the_graph_writes(monkeypatch, step, retraced):
+    """A step whose graph writes into no tensor (the functional optimizer, autograd's
+    gradients) is traced once; one that writes (clip_grad_norm_ scales in place) is
+    functionalized by a second trace. Either way no in-place operator is left."""
+    step = _clipped_step if step == "clipped" else step
+    model, batch = ZOO["mlp"]()
+    calls = _make_fx_calls(monkeypatch)
+    graph = capture(step, model, make_optimizer("adamw", model), batch)
+    assert len(calls) == (2 if retraced else 1)
+    assert not any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+                   for n in graph.gm.graph.nodes)
+
+
 @pytest.mark.parametrize("name, kind", [("mlp", "sgd"), ("mlp", "adam"), ("mlp", "adamw"), ("cnn", "adamw")])
 def test_gradient_clipping_trains_like_eager(name, kind):
     model, batch = ZOO[name]()
