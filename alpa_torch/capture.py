@@ -17,7 +17,7 @@ captured on a laptop; a model built on the ``meta`` device works too):
    scaling, ``x += y``) become pure ops whose results are graph outputs. A
    graph without one is already functional (the functional optimizer, autograd's
    gradients as values; most Hugging Face models) and is not traced again: the
-   second pass was a third of capturing LLaMA-3-8B.
+   second pass was 40 % of capturing LLaMA-3-8B.
 
 Mixed precision (``precision='bf16'`` or ``'fp16'``): the user's step runs
 under ``torch.autocast`` while it is traced, so the graph holds autocast's own
@@ -425,7 +425,7 @@ def _trace(step_fn, fake_values, mode):
     # (the CPU flash kernel has no sharding strategy: docs/design.md).
     with mode, sdpa_kernel(SDPBackend.MATH):
         gm = make_fx(step_fn, decomposition_table=_DECOMPOSITIONS)(*fake_values)
-        if _mutates(gm):  # re-tracing to functionalize is a third of capturing: only where something is written
+        if _mutates(gm):  # re-tracing to functionalize costs ~40 % of capturing: only where something is written
             gm = make_fx(torch.func.functionalize(gm, remove="mutations"))(*fake_values)
     return gm
 

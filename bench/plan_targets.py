@@ -14,8 +14,8 @@ worker processes), on this machine as it is:
   H100-80GB, full search with pipelining. Target 120 s.
 
 One JSON line per case: case, command, wall_s, cpu_s, capture_s (the CLI's own log line),
-target_s, met, the plan's summary line, exit code, and the machine (cores, 1-minute load
-average before the run, date). Run it on a quiet machine: the planner uses two processes.
+target_s, met, the plan's summary line, exit code, the code's commit, and the machine
+(cores, 1-minute load average before the run, date). Run it on a quiet machine: the planner uses two processes.
 
 Usage: python bench/plan_targets.py [--cases llama3-8b-one-stage,gpt-39b,llama3-70b] [--out FILE]
 """
@@ -62,11 +62,25 @@ def run_case(name: str) -> dict:
     row = {"case": name, "command": "alpa-torch plan " + " ".join(args), "wall_s": round(wall, 1),
            "cpu_s": round(cpu, 1), "capture_s": float(captured[1]) if captured else None, "target_s": target,
            "met": done.returncode == 0 and wall <= target, "plan": summary[0] if summary else None,
-           "returncode": done.returncode, "cores": os.cpu_count(), "load_1m_before": round(load, 2),
+           "returncode": done.returncode, "commit": _commit(), "cores": os.cpu_count(),
+           "load_1m_before": round(load, 2),
            "date": datetime.datetime.now().isoformat(timespec="seconds")}
     if done.returncode:
         row["stderr_tail"] = done.stderr[-2000:]
     return row
+
+
+def _commit() -> str | None:
+    """The checkout's commit (with ``+`` if files differ from it), or None outside git."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+" if dirty else "")
 
 
 def main(argv=None) -> int:

@@ -295,10 +295,13 @@ def _fitting(planned: Callable[[float], ParallelPlan], budget: float) -> Paralle
     """The first plan whose simulated peak fits ``budget``, from ``planned(rule_budget)``.
 
     The stage DP decides feasibility by its fast memory rule; a plan it admits can simulate
-    above the budget (``memory_sim``). Then plan again with the rule's budget cut by the
-    overshoot, and where a cut leaves the rule nothing, bisect between that cut and the last
-    budget that gave a plan. ``InfeasibleMemoryError`` (with the least simulated peak seen) if
-    nothing fits after ``FIT_ATTEMPTS`` cuts and ``FIT_BISECTIONS`` bisections."""
+    above the budget (``memory_sim``). Then plan again with the rule's budget cut to what
+    the rule counted for that plan (``_rule_bytes``, at most the rule's budget) times the
+    overshoot, so the next plan is not the same one (cutting the rule's budget alone left
+    GPT-3 39B's plan admitted twice), and where a cut leaves the rule nothing, bisect
+    between that cut and the last budget that gave a plan. ``InfeasibleMemoryError`` (with
+    the least simulated peak seen) if nothing fits after ``FIT_ATTEMPTS`` cuts and
+    ``FIT_BISECTIONS`` bisections."""
     rule, refused = budget, None  # refused: the last rule budget that admitted nothing
     best = planned(rule)  # the rule admits nothing even at the budget: its own error
     peaks = [best.peak_memory_bytes]
@@ -309,7 +312,7 @@ def _fitting(planned: Callable[[float], ParallelPlan], budget: float) -> Paralle
                     "%.4g of %.4g bytes: planning again with a tighter rule", rule, best.peak_memory_bytes, budget)
         admitted = rule
         rule = ((admitted + refused) / 2 if refused is not None
-                else rule * budget / best.peak_memory_bytes * (1 - FIT_MARGIN))
+                else min(rule, _rule_bytes(best)) * budget / best.peak_memory_bytes * (1 - FIT_MARGIN))
         try:
             best = planned(rule)
             peaks.append(best.peak_memory_bytes)
@@ -321,6 +324,12 @@ def _fitting(planned: Callable[[float], ParallelPlan], budget: float) -> Paralle
         f"down to a rule budget of {rule / GiB:.3f} GiB, simulates above it (the least: {need / GiB:.3f} GiB "
         "per device, stage_dp/memory_sim.py). Remedies: more devices or devices with more memory, more "
         "microbatches, checkpointing='full', or a smaller model or batch", required_bytes=need)
+
+
+def _rule_bytes(p: ParallelPlan) -> float:
+    """The most the stage DP's memory rule counts for a stage of ``p`` (persistent + in flight
+    x activation bytes; ``StagePlan.memory_bytes`` is the simulation's figure)."""
+    return max(s.persistent_bytes + s.in_flight * s.activation_bytes for s in p.stages)
 
 
 FIT_ATTEMPTS = 5

@@ -174,6 +174,23 @@ def test_tightening_the_memory_rule_reuses_every_ilp(graph, layers):
     assert model.num_ilps == solved
 
 
+def test_a_plan_above_its_simulated_budget_is_not_planned_again(graph, models):
+    """``_fitting``'s first cut goes below what the rule counted for the plan that simulated
+    too high, so the DP cannot admit it again: one re-plan where the rule's figure for
+    the plan sits below the rule's budget (cutting the budget alone admitted it again)."""
+    p = plan(graph, models["local1x4"].cluster, cost_model=models["local1x4"])
+    counted = search._rule_bytes(p)
+    budget, calls = 2.0 * counted, []
+
+    def planned(rule):  # the DP's choice: the plan while the rule admits it, then a fitting one
+        calls.append(rule)
+        fits = rule < counted
+        return dataclasses.replace(p, peak_memory_bytes=(0.5 if fits else 1.1) * budget)
+
+    assert search._fitting(planned, budget).peak_memory_bytes <= budget
+    assert len(calls) == 2 and calls[1] < counted
+
+
 def _without_timings(p: ParallelPlan) -> dict:
     d = p.to_dict()
     for key in ("plan_s", "ilp_s"):
