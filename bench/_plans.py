@@ -43,6 +43,7 @@ import datetime
 import json
 import logging
 import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -526,11 +527,24 @@ def rel_err(predicted: float, measured: float) -> float:
 
 
 def machine_info() -> dict:
-    """Date, CPU count and load: what a reader needs to judge a timing."""
+    """Date, CPU count, load and the code's commit: what a reader needs to judge a timing."""
     load = os.getloadavg()
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "cpus": os.cpu_count(), "load_1_5_15": [round(x, 2) for x in load],
-            "torch": torch.__version__}
+            "torch": torch.__version__, "commit": _commit()}
+
+
+def _commit() -> str | None:
+    """The checkout's commit (with ``+`` if tracked files differ from it), or None outside git."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+" if dirty else "")
 
 
 def dumps(line: dict) -> str:

@@ -14,8 +14,9 @@ worker processes), on this machine as it is:
   H100-80GB, full search with pipelining. Target 120 s.
 
 One JSON line per case: case, command, wall_s, cpu_s, capture_s (the CLI's own log line),
-target_s, met, the plan's summary line, exit code, the code's commit, and the machine
-(cores, 1-minute load average before the run, date). Run it on a quiet machine: the planner uses two processes.
+target_s, met, the plan's summary line, exit code, and ``_plans.machine_info()`` taken
+before the run (date, cores, load averages, torch, the code's commit). Run it on a quiet
+machine: the planner uses two processes.
 
 Usage: python bench/plan_targets.py [--cases llama3-8b-one-stage,gpt-39b,llama3-70b] [--out FILE]
 """
@@ -23,7 +24,6 @@ Usage: python bench/plan_targets.py [--cases llama3-8b-one-stage,gpt-39b,llama3-
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
@@ -33,6 +33,7 @@ import sys
 import time
 
 from _common import select
+from _plans import machine_info
 
 HF = ["alpa_torch.zoo_hf:hf_published", "--precision", "bf16"]
 CASES = {
@@ -51,7 +52,7 @@ def run_case(name: str) -> dict:
     target, args = CASES[name]
     command = [sys.executable, "-m", "alpa_torch.cli", "plan", *args, "--verbose"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    load = os.getloadavg()[0]
+    machine = machine_info()
     t0 = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     wall = time.perf_counter() - t0
@@ -62,25 +63,10 @@ def run_case(name: str) -> dict:
     row = {"case": name, "command": "alpa-torch plan " + " ".join(args), "wall_s": round(wall, 1),
            "cpu_s": round(cpu, 1), "capture_s": float(captured[1]) if captured else None, "target_s": target,
            "met": done.returncode == 0 and wall <= target, "plan": summary[0] if summary else None,
-           "returncode": done.returncode, "commit": _commit(), "cores": os.cpu_count(),
-           "load_1m_before": round(load, 2),
-           "date": datetime.datetime.now().isoformat(timespec="seconds")}
+           "returncode": done.returncode, **machine}
     if done.returncode:
         row["stderr_tail"] = done.stderr[-2000:]
     return row
-
-
-def _commit() -> str | None:
-    """The checkout's commit (with ``+`` if files differ from it), or None outside git."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("+" if dirty else "")
 
 
 def main(argv=None) -> int:
