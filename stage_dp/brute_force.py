@@ -19,7 +19,7 @@ import itertools
 import numpy as np
 
 from .dp import NoFeasiblePlanError, StageDPResult, validate_inputs
-from .layering import LayerClustering, imbalance_schedule, validate_graph
+from .layering import LayerClustering, imbalance_schedule, layer_bounds, validate_graph
 
 
 def _stage_choices(cost, mns, sizes, num_devices, l, i):
@@ -79,12 +79,12 @@ def brute_force_cluster_layers(flops, edge_src, edge_dst, edge_bytes, num_layers
     n = flops.size
     prefix = np.concatenate(([0.0], np.cumsum(flops)))
     for imb in imbalance_schedule(imbalance, num_layers):
-        cap = (1.0 + imb) * prefix[n] / num_layers
+        cap, floor = layer_bounds(prefix[n], num_layers, imb)
         best = None
         for inner in itertools.combinations(range(1, n), num_layers - 1):
             bounds = (0,) + inner + (n,)
             fl = [prefix[b] - prefix[a] for a, b in zip(bounds[:-1], bounds[1:])]
-            if max(fl) > cap:
+            if max(fl) > cap or min(fl) < floor:
                 continue
             c = [int(edge_bytes[(edge_src < a) & (edge_dst >= a) & (edge_dst < b)].sum())
                  for a, b in zip(bounds[:-1], bounds[1:])]

@@ -141,11 +141,12 @@ def stage_dp_trace(f, q_stages, t_max_s, grp_start, grp_end, grp_size, grp_sub,
 
 
 # ----------------------------------------------------------------------------- layering
-def layer_band(prefix_flops, cap_flops, in_ptr, in_src, in_bytes):
+def layer_band(prefix_flops, cap_flops, floor_flops, in_ptr, in_src, in_bytes):
     """Candidate layers [a, b) with flops <= cap and their entering bytes C(a, b).
 
     ``b`` runs over ``a+1 .. band_end[a]`` (a layer holds >= 1 op even when that
-    op alone exceeds the cap; such a layer is marked by C = INT_INF).
+    op alone exceeds the cap; such a layer is marked by C = INT_INF, as is a layer
+    with fewer flops than ``floor_flops``).
     In-edges of op v are ``in_ptr[v]:in_ptr[v+1]`` sorted by source.
     C(a, b+1) = C(a, b) + bytes of edges into op b from ops < a: O(band) per a.
     Returns (band_ptr int64 [n+1], band_c int64 [sum of band widths]).
@@ -170,7 +171,7 @@ def layer_band(prefix_flops, cap_flops, in_ptr, in_src, in_bytes):
             while j < in_ptr[v + 1] and in_src[j] < a:
                 c += in_bytes[j]
                 j += 1
-            band_c[band_ptr[a] + b - a - 1] = c
+            band_c[band_ptr[a] + b - a - 1] = c if prefix_flops[b] - prefix_flops[a] >= floor_flops else INT_INF
         if prefix_flops[a + 1] - prefix_flops[a] > cap_flops:
             band_c[band_ptr[a]] = INT_INF
     return band_ptr, band_c

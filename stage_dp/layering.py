@@ -9,11 +9,16 @@ Layer [a, b) holds ops a..b-1. With prefix FLOPs P (``np.cumsum``, P[0] = 0):
     F(a, b) = P[b] - P[a]                                  layer FLOPs
     C(a, b) = sum of bytes of edges u -> v, u < a <= v < b  bytes entering it
     cap     = (1 + imbalance) * P[n] / num_layers
+    floor   = max(0, 1 - imbalance) * P[n] / num_layers
 
-Objective, lexicographic over plans with every F(a, b) <= cap:
+Objective, lexicographic over plans with every floor <= F(a, b) <= cap:
 (1) least max C, (2) least sum C, (3) least max F, (4) smallest boundaries.
-If no plan meets the cap the imbalance is relaxed (×2, at least 0.25) until
-one does; the cap then reaches 2 × P[n], which every plan meets.
+If no plan meets the bounds the imbalance is relaxed (×2, at least 0.25) until
+one does; the cap then reaches 2 × P[n] and the floor 0, which every plan meets.
+The floor matters: without it, (2) favours layers of a few FLOP-free operators
+wherever a cut crosses fewer bytes (the loss's scalar tail of a language model),
+which leaves the other layers up to (1 + imbalance) x the average and the stage
+DP nothing to balance a pipeline with.
 
 Exactness: (1) is a bottleneck DP, (2) a sum DP over layers with C <= C*,
 (3) a bottleneck DP over the layers that are tight in (2) (an optimal plan is
@@ -85,6 +90,12 @@ def imbalance_schedule(imbalance: float, num_layers: int):
         imb = max(2.0 * imb, 0.25)
 
 
+def layer_bounds(total_flops: float, num_layers: int, imbalance: float) -> tuple[float, float]:
+    """(cap, floor) on a layer's FLOPs at ``imbalance`` (module docstring)."""
+    mean = total_flops / num_layers
+    return (1.0 + imbalance) * mean, max(0.0, 1.0 - imbalance) * mean
+
+
 def cluster_layers_detailed(flops, edge_src, edge_dst, edge_bytes, num_layers, *,
                             imbalance=0.5, use_numba=None) -> LayerClustering:
     """Cluster n ops into ``num_layers`` layers (module docstring) with their costs."""
@@ -96,8 +107,8 @@ def cluster_layers_detailed(flops, edge_src, edge_dst, edge_bytes, num_layers, *
     in_ptr = np.searchsorted(dst[order], np.arange(n + 1)).astype(np.int64)
     in_src, in_bytes = src[order], nbytes[order]
     for imb in imbalance_schedule(imbalance, num_layers):
-        cap = (1.0 + imb) * prefix[n] / num_layers
-        band_ptr, band_c = k.layer_band(prefix, cap, in_ptr, in_src, in_bytes)
+        cap, floor = layer_bounds(prefix[n], num_layers, imb)
+        band_ptr, band_c = k.layer_band(prefix, cap, floor, in_ptr, in_src, in_bytes)
         _, h, m, c_star = k.layer_tables(num_layers, prefix, band_ptr, band_c)
         if c_star < INT_INF:
             break

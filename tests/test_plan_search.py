@@ -81,6 +81,17 @@ def test_gpt_blocks_land_one_per_layer(graph, layers):
     assert assign_layers(graph).num_layers == 4  # default: one layer per 6 matmuls
 
 
+def test_default_layers_are_balanced():
+    """No layer of FLOP-free operators (the loss's scalar tail crosses fewer bytes than a block
+    boundary, so clustering by bytes alone made two such layers of the deep GPT's 8 and left the
+    others up to 1.5x the mean: a pipeline could not be balanced on them)."""
+    g = _capture(GPTConfig.deep(bias=False, vocab_size=256))
+    a = assign_layers(g)
+    assert a.num_layers == 8
+    mean = sum(a.forward_flops) / a.num_layers
+    assert 0.5 * mean <= min(a.forward_flops) and max(a.forward_flops) <= 1.5 * mean, a.forward_flops
+
+
 def test_global_norm_clip_crosses_layers():
     def clipped_step(model, optimizer, batch):
         optimizer.zero_grad()
