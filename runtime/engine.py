@@ -33,7 +33,8 @@ from alpa_torch.core.schedule import compute_order
 from alpa_torch.core.sharding import StageSharding
 
 from .group import WorkerGroup
-from .interpreter import serialize_graph, total_loss
+from .interpreter import serialize_graph
+from .loss_parts import total_loss
 from .state_sources import Values
 from .wire import from_wire, to_wire_dict
 

@@ -9,9 +9,11 @@ rule for run on the full (replicated) values, as the planner assumed.
 
 What keeps the per-step cost near eager PyTorch's:
 
-- the records are compiled once (``program.py``): arguments are built by
-  precompiled closures, and every value is deleted from the environment after
-  its last reader (liveness), so memory is given back during the step;
+- the records are compiled once (``program.py``): every value is deleted from the
+  environment after its last reader (liveness), so memory is given back during the
+  step; once every operator's way of running is settled (from the first step on one
+  device, after the learning step elsewhere) the program runs as one generated
+  function (``codegen.py``), with no per-operator interpreter work;
 - partial gradients the plan reduces are reduced in flat asynchronous buckets
   (``grad_buckets.py``), waited for by their first reader in the update;
 - the first step runs every operator through DTensor and records how it ran;
@@ -41,7 +43,7 @@ import math
 import os
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,6 +54,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from alpa_torch.core.grad_op import GRAD_MARKER_NAME
 from alpa_torch.core.spec import ShardingSpec, to_dtensor_placements
 
+from .codegen import Layout, generate
 from .devices import mesh_device
 from .donation import INPLACE, donating, find_donations
 from .grad_buckets import (
@@ -64,6 +67,7 @@ from .grad_buckets import (
     replicate_over_world,
     shard_to_shard,
 )
+from .loss_parts import LossPart
 from .program import (
     CALL,
     GET_ATTR,
@@ -72,11 +76,12 @@ from .program import (
     OUTPUT,
     Program,
     Ref,
+    Slot,
     compile_program,
     record_target,
     serialize_graph,
 )
-from .replay import InputMeta, StepReplay, agree, check_local, compile_local, meta_of, run_local, to_local, wrap
+from .replay import InputMeta, StepReplay, agree, check_local, local_layout, meta_of, run_local, to_local, wrap
 from .rng import RandomStream, is_random
 from .state_sources import shard
 from .wire import Bits, from_wire
@@ -94,29 +99,7 @@ def _switch(name: str) -> bool:
 FULL_BATCH = "full batch"
 """``env[(FULL_BATCH, node)]``: the whole batch leaf ``node`` as it arrived (every device receives
 all of it), where the plan shards it: a redistribution of it to replicated is a lookup."""
-__all__ = ["GRAD_MARKER_NAME", "LossPart", "Ref", "StageRunner", "serialize_graph", "total_loss"]
-
-
-class LossPart(NamedTuple):
-    """One device's share of a loss the plan leaves partial over the mesh: the driver adds the
-    ``value`` of every ``counted`` device (one per group of replicas) and divides by ``divisor``
-    (the mesh axes that average), instead of an all-reduce at the end of every step."""
-
-    value: float
-    counted: bool
-    divisor: int
-
-
-def total_loss(results: list) -> float:
-    """The step's loss from every device's result (rank order): a float each, or ``LossPart``s
-    added in rank order in float32, as the devices' all-reduce would."""
-    if not isinstance(results[0], LossPart):
-        return float(results[0])
-    total = np.float32(0.0)
-    for part in results:
-        if part.counted:
-            total += np.float32(part.value)
-    return float(total / np.float32(results[0].divisor))
+__all__ = ["GRAD_MARKER_NAME", "Ref", "StageRunner", "serialize_graph"]
 
 
 class StageRunner:
@@ -157,8 +140,6 @@ class StageRunner:
         self.replaying = False
         """After the first step: operators replayed on local tensors."""
         self.replay: dict[str, StepReplay] = {}
-        self._replayers: dict[str, Callable[[dict], Any]] = {}
-        """Name -> ``env -> value`` of each replayed operator, built at its first replay."""
         self.meta: dict[str, Any] = {}
         """Name -> ``ValueMeta`` of every value seen while learning."""
         self.donate_enabled = _switch(DONATE_ENV)
@@ -167,7 +148,6 @@ class StageRunner:
         """State nodes whose tensors this runner owns outright (state memory a step may donate)."""
         self._foreign: set[str] = set()
         """State names holding memory given to ``load_state``, not yet replaced by a step's result."""
-        self._donors: dict[str, Callable] = {}
         self.rng = RandomStream(seed)
         """Seeds each random operator (``rng.py``); pipelines set its microbatch."""
         self._random = {name: self._shard_coords(name) for op, name, t, *_ in self.nodes
@@ -428,9 +408,13 @@ class StageRunner:
         accumulates microbatches; ``meta``: its ``ValueMeta``, None on one device); it
         returns whether it took the value (then it is not put in ``env``). Without it,
         bucketed gradients go to ``self.buckets``."""
+        if self.local or self.replaying:  # every operator's way of running is settled: straight-line code
+            if program.fast is None:
+                program.fast = generate(program, self._layout, self._general, self._marker, self._collect,
+                                        self.constant)
+            return program.fast(env, on_grad)
         learning = self.learning and self.replay_enabled  # metadata for the replay: only when learning one
-        call = (self._call_local if self.local else self._call_replay if self.replaying
-                else self._call_learn if self.replay_enabled else self._call_dist)
+        call = self._call_learn if self.replay_enabled else self._call_dist
         for st in program.steps:
             kind = st.kind
             if st.before:
@@ -488,12 +472,7 @@ class StageRunner:
     # ---------------------------------------------------------------- one operator
     def _call_local(self, st, env: dict[str, Any]):
         args, kwargs = st.resolve([env[a] for a in st.inputs])
-        if st.donate is None:
-            return st.target(*args, **kwargs)
-        donor = self._donors.get(st.name)
-        if donor is None:
-            donor = self._donors[st.name] = self._donor(st, st.target) or (lambda a, k: st.target(*a, **k))
-        return donor(args, kwargs)
+        return st.target(*args, **kwargs)
 
     def _placed_inputs(self, st, env: dict[str, Any], with_metas: bool = True) -> tuple[list, list]:
         """Inputs redistributed to the plan's input specs, and their ``InputMeta`` (None: not a tensor;
@@ -534,14 +513,35 @@ class StageRunner:
             self.replay[st.name] = rp
         return out
 
-    def _call_replay(self, st, env: dict[str, Any]):
-        fn = self._replayers.get(st.name)
-        if fn is None:
+    def _layout(self, st) -> Layout | None:
+        """``st`` as one direct call of the generated program (``codegen.py``): its kernel on one device,
+        the local kernel learnt when replaying, in place where ``donation.py`` allows; or None."""
+        if st.name in self._random:
+            return None
+        if self.local:
+            args, kwargs = st.resolve([Slot(i) for i in range(len(st.inputs))])
+            op = st.target
+        else:
             rp = self.replay[st.name]
-            fast = (compile_local(rp.call, st, lambda op: self._donor(st, op))
-                    if rp.call is not None and not rp.redistribute else None)
-            fn = self._replayers[st.name] = fast or (lambda env: self._replay(st, env))
-        return fn(env)
+            layout = local_layout(rp.call, st) if rp.call is not None and not rp.redistribute else None
+            if layout is None:
+                return None
+            op, args, kwargs = layout
+        donor = None
+        if (st.donate is not None and op is st.target and args and isinstance(args[0], Slot)
+                and st.inputs[args[0].i] == st.inputs[st.donate.slot]):
+            donor = self._donor(st, getattr(op, "_op", op))
+        if donor is not None:
+            return Layout(donor, args, kwargs, donor=True)
+        return Layout(getattr(op, "_op", op), args, kwargs)
+
+    def _general(self, st) -> Callable[[dict], Any]:
+        """``env -> value`` of an operator the generated program does not call directly."""
+        call = self._call_local if self.local else self._replay
+        coords = self._random.get(st.name)
+        if coords is None:
+            return lambda env: call(st, env)
+        return lambda env: (self.rng.seed_op(st.name, coords), call(st, env))[1]
 
     def _replay(self, st, env: dict[str, Any]):
         """One operator replayed: the plan's redistributions, then the local kernel, or DTensor."""

@@ -83,6 +83,9 @@ class Program:
         self.reads = reads
         """Names this program reads but does not compute (its inputs from outside)."""
         self._by_name: dict[str, Step] | None = None
+        self.fast: Callable[[dict, Any], list | None] | None = None
+        """The program as one generated function (``codegen.generate``), made by its runner once
+        every operator's way of running is settled."""
 
     def step(self, name: str) -> Step:
         """The step computing ``name``."""

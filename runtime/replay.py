@@ -38,7 +38,6 @@ the environment.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -188,40 +187,21 @@ def run_local(call: LocalCall, args: tuple, kwargs: dict):
     return call.op(*(pytree.tree_unflatten(out, call.tree) if call.tree is not None else out), **kwargs)
 
 
-def compile_local(call: LocalCall, st, donor=None) -> Callable[[dict], Any] | None:
-    """``env -> result`` of ``call`` for the compiled record ``st``, in one closure: the
-    kernel itself (no ``OpOverload`` wrapper) on the template with this step's local
-    tensors put in, read straight from the environment. None when a tensor is passed by
-    keyword or sits where no input reference is (``run_local`` then does the general thing).
-    ``donor(kernel)``: the step's ``(args, kwargs) -> result`` running in place on its first
-    argument (``donation.py``), or None; used when that argument is the donated input."""
+def local_layout(call: LocalCall, st) -> tuple[Any, tuple, dict] | None:
+    """``(kernel, args, kwargs)`` of ``call`` for the compiled record ``st``, with ``Slot(i)`` where
+    this step's input ``i`` goes (``codegen.Layout``): the kernel itself on the template, this
+    step's local tensors put in. None when a tensor is passed by keyword or sits where no input
+    reference is (``run_local`` then does the general thing)."""
     args, kwargs = st.resolve([Slot(i) for i in range(len(st.inputs))])
     if any(isinstance(v, Slot) for v in pytree.tree_leaves(kwargs)):
         return None
     flat = pytree.tree_leaves(args) if call.tree is not None else args
     if not all(i < len(flat) and isinstance(flat[i], Slot) for i in call.tensors):
         return None
-    fill = tuple((i, st.inputs[flat[i].i]) for i in call.tensors)
-    template, tree, kw = list(call.template), call.tree, dict(kwargs)
-    op = getattr(call.op, "_op", call.op)  # the C++ callable behind OpOverload.__call__
-    donating = None
-    if (donor is not None and st.donate is not None and tree is None and call.op is st.target
-            and fill and fill[0] == (0, st.inputs[st.donate.slot])):
-        donating = donor(op)
-    if donating is not None:
-        def run_donating(env: dict):
-            out = template.copy()
-            for i, name in fill:
-                out[i] = env[name]
-            return donating(out, kw)
-        return run_donating
-
-    def run(env: dict):
-        out = template.copy()
-        for i, name in fill:
-            out[i] = env[name]
-        return op(*(out if tree is None else pytree.tree_unflatten(out, tree)), **kw)
-    return run
+    out = list(call.template)
+    for i in call.tensors:
+        out[i] = flat[i]
+    return call.op, tuple(out if call.tree is None else pytree.tree_unflatten(out, call.tree)), dict(kwargs)
 
 
 def check_local(st, placed: list, result) -> LocalCall | None:

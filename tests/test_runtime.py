@@ -565,9 +565,49 @@ def test_replicating_a_sharded_batch_leaf_takes_the_batch_as_it_arrived():
 
 
 def test_total_loss_adds_the_summands_of_one_device_per_replica_group():
-    from runtime.interpreter import LossPart, total_loss
+    from runtime.loss_parts import LossPart, total_loss
 
     assert total_loss([1.5, 1.5]) == 1.5
     parts = [LossPart(0.25, True, 1), LossPart(0.5, True, 1), LossPart(0.25, False, 1), LossPart(0.5, False, 1)]
     assert total_loss(parts) == 0.75  # partial over axis 1 of a 2x2 mesh, replicated over axis 0
     assert total_loss([LossPart(v, True, 4) for v in (1.0, 2.0, 3.0, 6.0)]) == 3.0  # an average over 4
+
+
+def test_generated_program_runs_like_the_records():
+    """``codegen.generate``: a list argument holding tensors (``cat``), keyword arguments, a tuple
+    output read by ``getitem``, a constant output, and every value popped after its last reader."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from runtime.codegen import Layout, generate
+    from runtime.program import Slot, compile_program, record_target, serialize_graph
+
+    def f(x, w):
+        y = torch.cat([x, x * 2], dim=1)
+        a, b = torch.split(y @ w, 3, dim=0)
+        return a.sum(dim=1, keepdim=True), b, 7
+
+    x, w = torch.randn(6, 4), torch.randn(8, 5)
+    gm = make_fx(f)(x, w)
+    records = [(op, name, record_target(t) if op == "call_function" else t, a, k, i)
+               for op, name, t, a, k, i in serialize_graph(gm)]
+    program = compile_program(records, "alpa.grad")
+    inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+
+    def layout(st):
+        args, kwargs = st.resolve([Slot(i) for i in range(len(st.inputs))])
+        return Layout(st.target._op, args, kwargs)
+
+    def general(st):
+        def call(values):
+            args, kwargs = st.resolve([values[a] for a in st.inputs])
+            return st.target(*args, **kwargs)
+        return call
+
+    for direct in (True, False):  # direct kernel calls, and the runner's per-operator fallback
+        run = generate(program, layout if direct else (lambda st: None), general, None, None, None)
+        env = dict(zip(inputs, (x, w)))
+        out = run(env, None)
+        want = f(x, w)
+        assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1]) and out[2] == 7
+        # every value but the outputs, the inputs included, popped after its last reader
+        assert set(env) == {a for a in program.steps[-1].target if isinstance(a, str)}
