@@ -82,6 +82,18 @@ def test_candidates_differ_and_come_from_the_options(tmp_path):
     assert len({tuner._decisions(c.plan) for c in cands}) == len(cands)
 
 
+def test_a_searched_pipeline_is_also_tried_at_as_many_microbatches_as_stages():
+    from stage_dp.planner import make_plan
+
+    graph, cluster, _ = _plans()
+    piped = make_plan(graph, cluster, PlanOptions(num_stages=2, num_microbatches=4))
+    assert tuner.fewer_microbatches(piped, PlanOptions(num_microbatches=4)) == []  # the user's count stays
+    cands = tuner.candidates(piped, graph, cluster, PlanOptions(), cache=None)
+    assert cands[1].label == "2 stages, 2 microbatches"
+    assert len(cands[1].plan.stages) == 2 and cands[1].plan.num_microbatches == 2
+    assert tuner.fewer_microbatches(cands[1].plan, PlanOptions()) == []  # already as few
+
+
 @pytest.mark.usefixtures("ray_session")
 def test_tuned_step_trains_as_eager_and_its_choice_is_cached(tmp_path):
     """The zoo GPT on 1x2 with tune=True: every candidate within the margin measured, the kept
