@@ -27,6 +27,7 @@ The generated function is ``fn(env, on_grad) -> outputs or None`` with the loop'
 
 from __future__ import annotations
 
+import keyword
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -72,9 +73,11 @@ class _Writer:
         fn = self.const(layout.fn)
         args = [self.expr(a, inputs) for a in layout.args]
         if layout.donor:
-            return f"{fn}(({''.join(a + ', ' for a in args)}), {self.expr(layout.kwargs, inputs)})"
+            kwargs = "{" + ", ".join(f"{k!r}: {self.expr(v, inputs)}" for k, v in layout.kwargs.items()) + "}"
+            return f"{fn}(({''.join(a + ', ' for a in args)}), {kwargs})"
         for k, v in layout.kwargs.items():
-            args.append(f"{k}={self.expr(v, inputs)}" if k.isidentifier() else f"**{{{k!r}: {self.expr(v, inputs)}}}")
+            plain = k.isidentifier() and not keyword.iskeyword(k)
+            args.append(f"{k}={self.expr(v, inputs)}" if plain else f"**{{{k!r}: {self.expr(v, inputs)}}}")
         return f"{fn}({', '.join(args)})"
 
     def emit(self, line: str) -> None:

@@ -338,8 +338,13 @@ def replicate_over_world(value: DTensor, mesh) -> DTensor | None:
     blocking collectives. When ``mesh_is_world(mesh)``, one all-reduce (sum; avg
     = sum / n: every axis averages equal groups) or one all-gather (the same
     tensor dim sharded on every axis, evenly: the world's rank order is then the
-    shards' order) does it. Other placements: None (the caller asks DTensor)."""
-    placements, local, n = tuple(value.placements), value.to_local(), mesh.size()
+    shards' order) does it. An axis of size 1 changes nothing and is left out (a 4x1 mesh of
+    the world gathers a ``Shard(0)Replicate`` value with this one all-gather, not through
+    DTensor's Python). Other placements: None (the caller asks DTensor)."""
+    local, n = value.to_local(), mesh.size()
+    placements = tuple(p for axis, p in enumerate(value.placements) if mesh.size(axis) > 1)
+    if not placements:
+        return None
     ops = {p.reduce_op for p in placements if isinstance(p, Partial)}
     if len(ops) == 1 and all(isinstance(p, Partial) for p in placements) and ops <= {"sum", "avg"}:
         out = local.clone(memory_format=torch.contiguous_format)

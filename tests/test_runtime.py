@@ -473,6 +473,12 @@ def _flat_collectives_check(state):
             continue
         assert fast.placements == (Replicate(), Replicate()) and torch.equal(fast.to_local(), full[name])
         checked.append(name)
+    tall = DeviceMesh("cpu", torch.arange(4).reshape(4, 1))  # an axis of size 1 changes nothing
+    for name, placements in [("a", (Shard(0), Replicate())), ("b", (Shard(1), Partial()))]:
+        v = distribute_tensor(full[name], tall, placements[:1] + (Replicate(),), src_data_rank=None)
+        v = DTensor.from_local(v.to_local(), tall, placements, run_check=False)
+        fast = replicate_over_world(v, tall)
+        assert fast.placements == (Replicate(), Replicate()) and torch.equal(fast.to_local(), full[name])
     rank = dist.get_rank()
     for op in ("sum", "avg"):
         local = full["a"] * (rank + 1)
@@ -595,6 +601,8 @@ def test_generated_program_runs_like_the_records():
 
     def layout(st):
         args, kwargs = st.resolve([Slot(i) for i in range(len(st.inputs))])
+        if st.target is torch.ops.aten.mul.Tensor:  # a donating call takes (args, kwargs)
+            return Layout(lambda a, k: st.target(*a, **k), args, kwargs, donor=True)
         return Layout(st.target._op, args, kwargs)
 
     def general(st):
