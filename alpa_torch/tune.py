@@ -102,7 +102,8 @@ def fewer_microbatches(searched: ParallelPlan, options: PlanOptions) -> list[tup
     The cost model's weakest figure is the price of a microbatch: its fixed costs per operator
     and per transfer, which grow with the count, against the bubble, which shrinks. On the
     shared cores of a local cluster it ranked 8 microbatches of the deep GPT of
-    ``bench/vs_pytorch.py`` first (predicted 126 ms) where 4 measure 169 ms and 8 measure 217."""
+    ``bench/vs_pytorch.py`` first (predicted 126 ms) where 4 measured 171-207 ms and 8
+    measured 202-290 (docs/results/vs_pytorch_2026-11-26_r*_tuning.log)."""
     n = len(searched.stages)
     if n == 1 or options.num_microbatches is not None or searched.num_microbatches <= n:
         return []

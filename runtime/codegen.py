@@ -4,10 +4,11 @@ Once a runner knows how every operator of a program runs (from the first step on
 device; after the learning step when replaying, ``replay.py``), those decisions do not
 change. The interpreter loop still paid for them on every operator of every step: the
 step's kind tests, the argument closure (``program.compile_resolver``), a template copy,
-the ``OpOverload`` wrapper and the liveness loop, about 2.4 us per operator above eager
-PyTorch on a core of the development machine (a 2,700-operator GPT step on one device:
-14.0 ms against eager's 7.5 ms at a tiny size; 9.1 ms generated), which is what matters
-where kernels are short (small shards, GPUs).
+the ``OpOverload`` wrapper and the liveness loop: 2.25 us per operator above eager PyTorch
+on a core of the development machine, 0.50 us generated (``bench/runner_overhead.py``: a
+2,659-step GPT step on one device at a tiny size, 14.1 -> 9.1 ms against eager's 8.1 / 7.8,
+docs/results/runner_overhead_2026-11-26.jsonl), which is what matters where kernels are
+short (small shards, GPUs).
 
 ``generate`` writes the program out as straight-line Python, one statement per step,
 compiled once with ``compile``:
