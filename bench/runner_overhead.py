@@ -5,12 +5,13 @@ Usage (from the repository root; about a minute)::
     python bench/runner_overhead.py                      # GPT 8 layers, width 32, T 16, batch 1
     python bench/runner_overhead.py --width 128 --block 64 --batch 4
 
-The zoo GPT's AdamW step is captured and run by a ``StageRunner`` on a one-device mesh
-in this process (no Ray, no collectives: what is left is the runtime's per-operator work
-around the kernels), and by eager PyTorch (forward, backward, ``AdamW.step``) on the
-same model, one torch thread each, alternating, ``--steps`` steps per round after 3
-untimed ones, ``--rounds`` rounds. One JSON line: the median step of each, the number of
-program steps the runner executes, and ``overhead_us_per_op`` = (runner - eager) / steps.
+The seeded GPT of the benchmarks (``_plans.workload``) is captured with its AdamW step and
+run by a ``StageRunner`` on a one-device mesh in this process (no Ray, no collectives: what
+is left is the runtime's per-operator work around the kernels), and by eager PyTorch
+(forward, backward, ``AdamW.step``) on the same model, one torch thread each, alternating,
+``--steps`` steps per round after 3 untimed ones, ``--rounds`` rounds. One JSON line: the
+median step of each, the number of program steps the runner executes, and
+``overhead_us_per_op`` = (runner - eager) / steps.
 At a tiny size the kernels are short and the difference is the runtime's own Python.
 """
 
@@ -21,14 +22,13 @@ import statistics
 import time
 
 import torch
-from _plans import dumps, machine_info
+from _common import BenchConfig, build_model, global_batch
+from _plans import dumps, machine_info, workload
 
 
 def main(argv: list[str] | None = None) -> int:
-    from alpa_torch.capture import capture
     from alpa_torch.core.cluster import Cluster
-    from alpa_torch.optim import FunctionalOptimizer
-    from alpa_torch.zoo import GPT, GPTConfig, _lm_batch, lm_loss, make_optimizer, train_step
+    from alpa_torch.zoo import lm_loss, make_optimizer
     from intra_ilp.cost_model import MeshCost
     from intra_ilp.stage import solve_stage
     from runtime.interpreter import StageRunner, serialize_graph
@@ -45,26 +45,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.block, n_layer=args.layers, n_head=args.heads,
-                    n_embd=args.width)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    opt = make_optimizer("adamw", model)
-    batch = _lm_batch(cfg.vocab_size, args.batch, torch.Generator().manual_seed(0))
-    graph = capture(train_step, model, opt, batch)
+    cfg = BenchConfig(vocab_size=args.vocab, block_size=args.block, n_layer=args.layers, n_head=args.heads,
+                      n_embd=args.width, global_batch=args.batch)
+    wl = workload(cfg)
+    graph, functional = wl.graph, wl.functional
     sharding = solve_stage(graph, MeshCost.from_cluster(Cluster.local(1, 1), (1, 1), (1, 1)))
-    functional = FunctionalOptimizer(opt, {id(p): n for n, p in model.named_parameters()})
-    values = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    for name in functional.names:
-        values.update({f"{name}.{k}": v for k, v in functional.initial_state(name, values[name]).items()})
     io = {"inputs": [(s.kind, s.name, s.node) for s in graph.inputs],
           "outputs": [(s.kind, s.name, s.node) for s in graph.outputs]}
     runner = StageRunner(serialize_graph(graph.gm), {k: str(v) for k, v in sharding.value_specs.items()},
                          {k: [str(s) for s in v] for k, v in sharding.input_specs.items()}, io, _OneDevice("cpu"))
-    runner.load_state({k: v.detach().clone().numpy() for k, v in values.items()})
+    runner.load_state(wl.state)
+    batch = global_batch(cfg, 0)
     feed = {"batch.0": batch[0].numpy(), "batch.1": batch[1].numpy()}
     feed.update({k: v.numpy() for k, v in graph.loss_norms(feed).items()})
-    eager_model = GPT(cfg)
+    eager_model = build_model(cfg)
     eager_opt = make_optimizer("adamw", eager_model)
     count = [0]
 
