@@ -104,7 +104,7 @@ def _aliasing(target) -> bool:
 def _first_arg_slot(st) -> int | None:
     """Index in ``st.inputs`` of the step's first positional argument, if it is an input
     that appears nowhere else in the call."""
-    args, kwargs = st.resolve([Slot(i) for i in range(len(st.inputs))])
+    args, kwargs = st.layout()
     if not args or not isinstance(args[0], Slot):
         return None
     first = args[0].i

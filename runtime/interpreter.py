@@ -519,7 +519,7 @@ class StageRunner:
         if st.name in self._random:
             return None
         if self.local:
-            args, kwargs = st.resolve([Slot(i) for i in range(len(st.inputs))])
+            args, kwargs = st.layout()
             op = st.target
         else:
             rp = self.replay[st.name]
@@ -527,13 +527,11 @@ class StageRunner:
             if layout is None:
                 return None
             op, args, kwargs = layout
-        donor = None
+        kernel, donor = getattr(op, "_op", op), None
         if (st.donate is not None and op is st.target and args and isinstance(args[0], Slot)
                 and st.inputs[args[0].i] == st.inputs[st.donate.slot]):
-            donor = self._donor(st, getattr(op, "_op", op))
-        if donor is not None:
-            return Layout(donor, args, kwargs, donor=True)
-        return Layout(getattr(op, "_op", op), args, kwargs)
+            donor = self._donor(st, kernel)
+        return Layout(donor, args, kwargs, donor=True) if donor is not None else Layout(kernel, args, kwargs)
 
     def _general(self, st) -> Callable[[dict], Any]:
         """``env -> value`` of an operator the generated program does not call directly."""

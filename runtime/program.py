@@ -37,7 +37,7 @@ class Ref(str):
 
 class Slot:
     """Stands for input ``i`` of a record while its argument layout is worked out
-    (``step.resolve([Slot(0), Slot(1), ...])`` shows where each input goes)."""
+    (``step.layout()`` shows where each input goes)."""
 
     __slots__ = ("i",)
 
@@ -68,6 +68,10 @@ class Step:
         """Gradients to collect from their bucket before this step (it reads them first)."""
         self.donate = None
         """``donation.Donation``: the input this step may overwrite with its result, if any."""
+
+    def layout(self) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` with ``Slot(i)`` where input ``i`` goes: the call's argument layout."""
+        return self.resolve([Slot(i) for i in range(len(self.inputs))])
 
     def __repr__(self) -> str:
         return f"Step({self.name}, free={self.free}, before={self.before})"

@@ -192,7 +192,7 @@ def local_layout(call: LocalCall, st) -> tuple[Any, tuple, dict] | None:
     this step's input ``i`` goes (``codegen.Layout``): the kernel itself on the template, this
     step's local tensors put in. None when a tensor is passed by keyword or sits where no input
     reference is (``run_local`` then does the general thing)."""
-    args, kwargs = st.resolve([Slot(i) for i in range(len(st.inputs))])
+    args, kwargs = st.layout()
     if any(isinstance(v, Slot) for v in pytree.tree_leaves(kwargs)):
         return None
     flat = pytree.tree_leaves(args) if call.tree is not None else args

@@ -11,7 +11,7 @@ def test_generated_program_runs_like_the_records():
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from runtime.codegen import Layout, generate
-    from runtime.program import Slot, compile_program, record_target, serialize_graph
+    from runtime.program import compile_program, record_target, serialize_graph
 
     def f(x, w):
         y = torch.cat([x, x * 2], dim=1)
@@ -26,7 +26,7 @@ def test_generated_program_runs_like_the_records():
     inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
 
     def layout(st):
-        args, kwargs = st.resolve([Slot(i) for i in range(len(st.inputs))])
+        args, kwargs = st.layout()
         if st.target is torch.ops.aten.mul.Tensor:  # a donating call takes (args, kwargs)
             return Layout(lambda a, k: st.target(*a, **k), args, kwargs, donor=True)
         return Layout(st.target._op, args, kwargs)
