@@ -308,27 +308,44 @@ def simulate_stage(graph, sharding, *, forward=None, backward=None, update=None,
     keep_f = (bwd_reads | set(sent.get("forward", ())) | loss | outputs)
     keep_b = set(sent.get("backward", ())) | outputs
     order = order or [("F", 0), ("B", 0)]
-    parked: dict[int, dict[str, float]] = {}
+    parked: dict[int, tuple[tuple, dict[str, float], float]] = {}  # mb -> (its forward's key, roots, bytes)
     acc: dict[str, float] = {}
     best = (-1.0, "", None, "forward")
     phase_peaks = {"forward": 0.0, "backward": 0.0, "update": 0.0}
     biggest_park = 0.0
+    # Every microbatch's forward (backward) program is the same; what differs is the bytes held
+    # outside it (a constant added to every point) and which gradients the accumulator holds
+    # already. So each program is simulated once per accumulator content (and, for a backward,
+    # per forward that parked its values) with nothing held outside, and replayed: 2 of GPT-3
+    # 39B's 1024 programs at 256 microbatches (12-15 s -> 0.1 s per plan).
+    memo: dict[tuple, tuple[float, str, dict[str, float], dict[str, float]]] = {}
+    parked_roots = {st.root_of(v) for v in bwd_reads}
     for kind, mb in order:
-        others = math.fsum(b for k, p in parked.items() if k != mb for b in p.values())
-        if getattr(kind, "value", kind) == "F":
-            present = {n: sizes.bytes(n) for n in batch}
-            present.update({v: sizes.bytes(v) for v in received.get("forward", ())})
-            peak, node, live = st.program(fwd, keep_f, present, state_bytes + others, accumulate=acc,
-                                          external=external)
-            want = {st.root_of(v) for v in bwd_reads}
-            parked[mb] = {r: b for r, b in live.items() if r in want}
-            biggest_park = max(biggest_park, math.fsum(parked[mb].values()))
+        others = math.fsum(p[2] for k, p in parked.items() if k != mb)
+        forward = getattr(kind, "value", kind) == "F"
+        key = ("F" if forward else ("B", parked[mb][0] if mb in parked else None), frozenset(acc))
+        if key not in memo:
+            had = set(acc)
+            if forward:
+                present = {n: sizes.bytes(n) for n in batch}
+                present.update({v: sizes.bytes(v) for v in received.get("forward", ())})
+                peak, node, live = st.program(fwd, keep_f, present, 0.0, accumulate=acc, external=external)
+            else:
+                present = dict(parked[mb][1]) if mb in parked else {}
+                present.update({v: sizes.bytes(v) for v in received.get("backward", ())})
+                peak, node, live = st.program(bwd, keep_b, present, 0.0, accumulate=acc, external=external)
+            memo[key] = (peak, node, live, {m: g for m, g in acc.items() if m not in had})
+        else:
+            acc.update(memo[key][3])
+        peak, node, live, _ = memo[key]
+        peak += state_bytes + others
+        if forward:
+            kept = {r: b for r, b in live.items() if r in parked_roots}
+            parked[mb] = (key, kept, math.fsum(kept.values()))
+            biggest_park = max(biggest_park, parked[mb][2])
             phase = "forward"
         else:
-            present = dict(parked.pop(mb, {}))
-            present.update({v: sizes.bytes(v) for v in received.get("backward", ())})
-            peak, node, _ = st.program(bwd, keep_b, present, state_bytes + others, accumulate=acc,
-                                       external=external)
+            parked.pop(mb, None)
             phase = "backward"
         phase_peaks[phase] = max(phase_peaks[phase], peak)
         if peak > best[0]:
