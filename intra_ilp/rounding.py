@@ -4,7 +4,8 @@ Owns: ``dive`` and ``round_lp`` (a feasible strategy choice, one index per reduc
 variable of a ``reduce.ReducedProblem``, near the LP optimum), ``improve`` (local
 search) and ``evaluate`` (objective and memory rows of a choice). Pure numpy; the
 LP re-solves of the dive come through a callback (``highs_direct.HighsDirect.fix``).
-``ilp.py`` uses them after a fractional LP: a point within ``mip_gap`` of the LP
+``ilp.py`` uses them after a fractional LP (rounding and local search first, the
+dives only if that point is not close enough): a point within ``mip_gap`` of the LP
 bound is an answer as good as the MIP's tolerance allows (the bound is a lower
 bound of the ILP optimum); otherwise it is the MIP's start.
 

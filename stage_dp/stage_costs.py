@@ -73,6 +73,7 @@ from alpa_torch.core.grad_op import GRAD_MARKER_NAME
 from alpa_torch.core.remat import recompute_nodes
 from alpa_torch.core.sharding import StageSharding
 from intra_ilp import cost_model as cm
+from intra_ilp.highs_direct import load_compiler
 from intra_ilp.ilp import min_peak_memory, solve_instance
 from intra_ilp.stage import build_stage_instance, stage_sharding
 
@@ -279,7 +280,10 @@ class StageCostModel:
                 jobs.setdefault(key[2], {}).setdefault(key, (layer, cfg, scale))
         if not jobs:
             return
-        todo = [list(group.items()) for group in jobs.values()]
+        # the biggest jobs first (ILPs x devices of the mesh: bigger meshes have more strategies),
+        # so that no process is left with a big one while the others are done
+        todo = sorted((list(group.items()) for group in jobs.values()),
+                      key=lambda g: -len(g) * math.prod(g[0][0][2].mesh_shape))
         self.progress(f"{sum(map(len, todo))} ILPs at most on {len(todo)} meshes, "
                       f"{min(self.workers, len(todo))} process(es)")
 
@@ -301,6 +305,7 @@ class StageCostModel:
             layers = sorted({layer for _, (layer, _, _) in group})
             return f"solving the sharding ILPs of layer(s) {layers} on the {tuple(mesh.mesh_shape)} mesh"
 
+        load_compiler()  # once here, not in every forked process
         for results in fork_map(job, todo, self.workers, describe):
             for key, cost, seconds in results:
                 self._solutions[key] = cost
