@@ -108,13 +108,22 @@ def load_workload(spec: str, *, batch_size: int | None = None, dtype: str | None
                     zoo.train_step, batch_fn=lambda i: zoo.make_batch(data, size, seed=i))
 
 
+def _importable(module_name: str) -> bool:
+    try:
+        return importlib.util.find_spec(module_name) is not None
+    except (ImportError, ValueError):  # a parent package that does not import
+        return False
+
+
 def _user_workload(spec: str, kwargs: dict) -> Workload:
     module_name, _, fn_name = spec.rpartition(":")
     # MODULE is a .py file, a module of the current directory (mymodel -> ./mymodel.py) or an
-    # importable module; a file is loaded from its path, nothing is added to sys.path.
+    # importable module; a file is loaded from its path, nothing is added to sys.path. An
+    # importable module is imported even where its file is under the current directory
+    # (alpa_torch.zoo_hf from the repository's root): loaded as a file, its relative imports fail.
     path = Path(module_name if module_name.endswith(".py") else module_name.replace(".", os.sep) + ".py")
     try:
-        if module_name.endswith(".py") or path.is_file():
+        if module_name.endswith(".py") or (path.is_file() and not _importable(module_name)):
             loader = importlib.util.spec_from_file_location(path.stem, path)
             if loader is None or not path.is_file():
                 raise UsageError(f"model {spec!r}: no file {module_name!r}")

@@ -79,3 +79,16 @@ def test_twins_keep_the_architecture():
     assert gpt2.activation_function == "gelu_new" and gpt2.tie_word_embeddings
     assert (gpt2.resid_pdrop, gpt2.embd_pdrop, gpt2.attn_pdrop) == (0.0, 0.0, 0.0)
     assert hf_config("gpt2-xl").resid_pdrop == 0.1 and hf_config("gpt2-xl", dropout=False).resid_pdrop == 0.0
+
+
+def test_the_cli_loads_the_published_builder_from_the_repository_root(monkeypatch):
+    """``alpa-torch plan alpa_torch.zoo_hf:hf_published`` (bench/plan_targets.py, bench/plan_zoo.py)
+    from the repository's root, where ``alpa_torch/zoo_hf.py`` is also a file of the current
+    directory: imported as the module it is (loaded as a file, its relative imports failed)."""
+    from pathlib import Path
+
+    from alpa_torch.workloads import load_workload
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    work = load_workload("alpa_torch.zoo_hf:hf_published", model_args=["name=gpt2-xl"])
+    assert sum(p.numel() for p in work.model.parameters()) == PUBLISHED_PARAMS["gpt2-xl"]
