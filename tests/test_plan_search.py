@@ -92,6 +92,48 @@ def test_default_layers_are_balanced():
     assert 0.5 * mean <= min(a.forward_flops) and max(a.forward_flops) <= 1.5 * mean, a.forward_flops
 
 
+def test_layers_cut_between_repeated_blocks():
+    """A stack of blocks (``blocks.<i>``) is cut between whole blocks, evenly: the middle
+    layers repeat, so the stage costs solve one ILP for all of them (LLaMA-3-8B's 16
+    layers cut by operator had 7 distinct signatures, half the cuts inside a block)."""
+    from stage_dp.layer_assign import LayerSignatures
+
+    g = _capture(GPTConfig.deep(bias=False, vocab_size=256))
+    a = assign_layers(g, 4)
+    assert a.method == "blocks"
+    forward = [n for n, v in g.nodes.items() if v.phase == "forward"]
+    firsts = [next(n for n in forward if a.layer_of[n] == l) for l in range(4)]
+    blocks = {s.node: s.name.split(".")[1] for s in g.inputs if s.kind == "param" and s.name.startswith("blocks.")}
+    for l, first in enumerate(firsts[1:], 1):  # each later layer opens with a block: 2 blocks per layer
+        read = {blocks[u] for u in g.nodes[first].inputs if u in blocks}
+        assert read == {str(2 * l)}, (l, first, read)
+    assert LayerSignatures(g, a).num_distinct == 3  # first (embeddings), the two middle ones, last (head)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_even_cuts_match_brute_force(seed):
+    import itertools
+
+    import numpy as np
+
+    from stage_dp.layer_assign import _even_cuts
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 9))
+    k = int(rng.integers(1, n + 1))
+    flops = rng.integers(1, 5, n).astype(float)
+    mean = flops.sum() / k
+
+    def cost(cuts):
+        edges = list(cuts) + [n]
+        return sum((flops[a:b].sum() - mean) ** 2 for a, b in zip(edges, edges[1:]))
+
+    best = min(cost((0, *c)) for c in itertools.combinations(range(1, n), k - 1))
+    got = _even_cuts(flops, k)
+    assert got[0] == 0 and len(got) == k and all(np.diff(got) > 0) and got[-1] < n
+    assert math.isclose(cost(got), best, rel_tol=1e-9, abs_tol=1e-9)
+
+
 def test_global_norm_clip_crosses_layers():
     def clipped_step(model, optimizer, batch):
         optimizer.zero_grad()
