@@ -118,8 +118,8 @@ class HighsDirect:
         h.setOptionValue("mip_rel_gap", float(mip_gap))
         # LP: presolve costs more than it saves on these (measured 3-4x slower with it)
         h.setOptionValue("presolve", "choose" if integral else "off")
-        # With a start (the dive's point, ``ilp._round``: optimal or within ~0.1 % of it on GPT-3
-        # 39B's capped layer ILPs) HiGHS's primal heuristics find nothing better and its
+        # With a start (``ilp._round``'s point: optimal or within ~0.1 % of it on GPT-3 39B's
+        # capped layer ILPs) HiGHS's primal heuristics find nothing better and its
         # restarts re-presolve a ~70k-column model: without both its MIP closed those gaps in
         # 3.6-3.9 s instead of 9.5-15 s, with the same or better answers (docs/design.md).
         for option in _SEARCH_OPTIONS:
