@@ -577,5 +577,26 @@ def _internal_error(args, exc: BaseException) -> int:
     return 1
 
 
+def entry() -> None:
+    """The ``alpa-torch`` command: ``main()``, then exit without tearing the interpreter down.
+
+    Freeing a planned model's graph object by object and collecting its cycles took 1.6 s
+    after LLaMA-3-8B's plan was printed. Once the output is flushed and the exit handlers
+    have run (Ray's shutdown among them), nothing is left to do, so the process ends there,
+    as it would in ``sys.exit``, unless a thread other than the main one is still running:
+    then the interpreter's normal exit, which waits for it.
+    """
+    import atexit
+    import threading
+
+    code = main()
+    if threading.active_count() == 1:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
