@@ -14,8 +14,9 @@ Rules, in the order they are applied:
    consumers of a value so a value entering a layer counts once: see
    ``_forward_edges``), or at module boundaries (``boundaries_by_module``).
    A model with a stack of at least L repeated blocks (``_block_starts``:
-   decoder layers) is cut between whole blocks only: evenly by FLOPs
-   (``_even_cuts``) where every cut between blocks sends the same bytes (a
+   decoder layers) is cut between whole blocks only: evenly by FLOPs, the
+   same count of blocks in every middle layer where that is as even
+   (``_even_cuts``), where every cut between blocks sends the same bytes (a
    transformer's residual stream), else by ``cluster_layers`` over the blocks;
 2. placeholders (parameters, buffers, batch leaves) take the layer of their
    first forward consumer; optimizer state the layer of its parameter; other
@@ -244,10 +245,50 @@ def _forward_boundaries(graph, forward, num_layers, boundaries_by_module):
     return cluster_layers(flops, src, dst, nbytes, num_layers), "cluster"
 
 
+REGULAR_SLACK = 0.01
+"""``_even_cuts`` takes the best regular cut if its sum of squares is within this fraction of the least."""
+
+
 def _even_cuts(flops: np.ndarray, num_layers: int) -> np.ndarray:
     """First item of each of ``num_layers`` contiguous layers of ``flops`` (at least one item
-    each) with the least sum of squared differences of the layers' FLOPs from their mean:
-    an exact DP over the cut positions, O(num_layers x n^2) for n blocks (n <= a few hundred)."""
+    each), as even as the layers' FLOPs allow, preferring a regular cut.
+
+    The evenest cut (``_least_squares_cuts``) may put its one odd layer anywhere: LLaMA-3-70B's
+    80 decoder layers in 16 were 5 each but 6 in layer 13 and 4 in the last (which holds the
+    head), 4 distinct layers. A regular cut, the same count of blocks in every layer but the
+    first and the last, has 3 (the ends hold the embeddings and the head anyway), so a quarter
+    fewer ILPs per mesh; it is taken when it is as even within ``REGULAR_SLACK`` (on LLaMA-3-8B
+    and -70B it is within 0.01 %: 6 blocks in the first layer instead of in layer 13)."""
+    least = _least_squares_cuts(flops, num_layers)
+    regular = _regular_cuts(flops, num_layers)
+    if regular is not None and _sse(flops, regular) <= _sse(flops, least) * (1 + REGULAR_SLACK):
+        return regular
+    return least
+
+
+def _sse(flops: np.ndarray, starts: np.ndarray) -> float:
+    """Sum of squared differences of the layers' FLOPs (layers starting at ``starts``) from their mean."""
+    per_layer = np.add.reduceat(flops, starts)
+    return float(((per_layer - per_layer.mean()) ** 2).sum())
+
+
+def _regular_cuts(flops: np.ndarray, num_layers: int) -> np.ndarray | None:
+    """The evenest cut with k items in each layer but the first and the last (which take the
+    rest, at least one each), or None where there is none (fewer than three layers)."""
+    n, inner = flops.size, num_layers - 2
+    best, best_sse = None, np.inf
+    for k in range(1, (n - 2) // inner + 1) if inner > 0 else ():
+        for first in range(1, n - inner * k):
+            starts = np.concatenate(([0], first + k * np.arange(inner + 1))).astype(np.int64)
+            if (sse := _sse(flops, starts)) < best_sse:
+                best, best_sse = starts, sse
+    return best
+
+
+def _least_squares_cuts(flops: np.ndarray, num_layers: int) -> np.ndarray:
+    """The cut of ``_even_cuts`` with the least sum of squared differences of the layers' FLOPs
+    from their mean: an exact DP over the cut positions, O(num_layers x n^2) for n blocks
+    (n <= a few hundred)."""
     prefix = np.concatenate(([0.0], np.cumsum(flops)))
     n, mean = flops.size, prefix[-1] / num_layers
     best = np.full(n + 1, np.inf)

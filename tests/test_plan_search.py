@@ -116,7 +116,7 @@ def test_even_cuts_match_brute_force(seed):
 
     import numpy as np
 
-    from stage_dp.layer_assign import _even_cuts
+    from stage_dp.layer_assign import _least_squares_cuts
 
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 9))
@@ -129,9 +129,28 @@ def test_even_cuts_match_brute_force(seed):
         return sum((flops[a:b].sum() - mean) ** 2 for a, b in zip(edges, edges[1:]))
 
     best = min(cost((0, *c)) for c in itertools.combinations(range(1, n), k - 1))
-    got = _even_cuts(flops, k)
+    got = _least_squares_cuts(flops, k)
     assert got[0] == 0 and len(got) == k and all(np.diff(got) > 0) and got[-1] < n
     assert math.isclose(cost(got), best, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def test_even_cuts_prefer_a_regular_cut():
+    """Where the evenest cut puts its odd layer inside the stack, an as-even cut with the same
+    count in every middle layer is taken (one distinct middle layer, so fewer ILPs); where the
+    regular cut is much less even, the evenest one stays."""
+    import numpy as np
+
+    from stage_dp.layer_assign import REGULAR_SLACK, _even_cuts, _least_squares_cuts, _sse
+
+    # LLaMA-like: 20 equal blocks, the first with (nearly free) embeddings, the last with a head of ~1 block
+    flops = np.array([1.001] + [1.0] * 18 + [2.1])
+    least, got = _least_squares_cuts(flops, 5), _even_cuts(flops, 5)
+    assert len(set(np.diff(least)[1:])) > 1, least  # the evenest cut alone has two kinds of middle layer
+    inner = np.diff(got)[1:]  # blocks per layer, the second to the fourth
+    assert (inner == inner[0]).all(), got
+    assert _sse(flops, got) <= _sse(flops, least) * (1 + REGULAR_SLACK)
+    # in 6 layers the best regular cut is more than twice as uneven: the evenest stays
+    assert list(_even_cuts(flops, 6)) == list(_least_squares_cuts(flops, 6))
 
 
 def test_global_norm_clip_crosses_layers():
