@@ -418,7 +418,8 @@ class ParallelStep(ResilientStep):
         give_storage(model, optimizer or self._functional.optimizer, self._functional)  # a meta-device model
         with torch.no_grad():
             for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-                t.copy_(sd["model"][name])
+                if name in sd["model"]:  # else a buffer the step never reads (HF's original_inv_freq):
+                    t.copy_(sd["model"][name])  # no stage holds it, and the step left it as it was
         if optimizer is not None:
             states = {n: {k: sd["optimizer"][f"{n}.{k}"] for k in self._functional.state_names(n)}
                       for n in self._functional.names}

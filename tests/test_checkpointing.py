@@ -220,3 +220,57 @@ def test_checkpointed_pipeline_equals_eager():
         assert len(step.plan.stages) == 2 and step.plan.recompute_layers
     finally:
         step.shutdown()
+
+
+def _pre_norm_twin():
+    """LLaMA-3-8B's transformers class at 2 layers (its RMSNorm is decomposed: the block's first
+    operator reading a block weight is the norm's scale, after the normalization), with HF's step."""
+    pytest.importorskip("transformers")
+    from alpa_torch.zoo_hf import TWIN_BATCH, TWIN_SEQ, hf_batch, hf_train_step, hf_twin
+
+    model = hf_twin("llama3-8b")
+    return model, hf_train_step, [hf_batch("llama3-8b", model.config, TWIN_BATCH, TWIN_SEQ, seed=s) for s in range(3)]
+
+
+def test_recomputed_layer_stays_on_its_stage_in_a_pre_norm_model(caplog):
+    """A norm weight's gradient reads the normalized input, computed by the layer before; the
+    partition moves it to its weight's stage. Reading that layer's recomputed copies, it pulled
+    the whole recomputed forward of the first layer (the embedding and its weight) onto the
+    second stage, and the memory simulation of every such plan failed ('param
+    model.embed_tokens.weight is used by stages [0, 1]'), as the runtime would have."""
+    from alpa_torch.core.partition import partition, stage_of_nodes
+    from alpa_torch.core.remat import extend_layer_of
+
+    model, step, batches = _pre_norm_twin()
+    graph = capture(step, model, torch.optim.AdamW(model.parameters()), batches[0])
+    layers = assign_layers(graph, 2)
+    remat, copies = rematerialize(graph, layers.layer_of, [0, 1])
+    layer_of = extend_layer_of(layers.layer_of, copies)
+    stage_of = stage_of_nodes(remat, layer_of, [(0, 0), (1, 1)])
+    partition(remat, stage_of, 2)  # raised PlanError
+    assert all(stage_of[c] == layer_of[c] for c in copies)  # every copy on its original's stage
+    with caplog.at_level("WARNING"):
+        p = plan(graph, Cluster.local(1, 2), num_stages=2, num_layers=2, checkpointing="full")
+    assert p.recompute_layers and "memory simulation failed" not in caplog.text
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_session")
+def test_checkpointed_pipeline_of_a_pre_norm_model_equals_eager():
+    model, step_fn, batches = _pre_norm_twin()
+    eager = copy.deepcopy(model)
+    step = parallelize(step_fn, cluster=Cluster.local(1, 2), checkpointing="full", num_stages=2, num_layers=2,
+                       num_microbatches=2)
+    try:
+        eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-3)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for i, batch in enumerate(batches):
+            expected = float(step_fn(eager, eager_opt, batch).detach())
+            got = float(step(model, opt, batch))
+            assert got == pytest.approx(expected, abs=ATOL), f"step {i}: loss {got} != eager {expected}"
+        step.sync(model, opt)
+        assert len(step.plan.stages) == 2 and step.plan.recompute_layers
+        for name, p in eager.named_parameters():
+            torch.testing.assert_close(dict(model.named_parameters())[name].detach(), p.detach(), atol=ATOL, rtol=0)
+    finally:
+        step.shutdown()

@@ -30,6 +30,7 @@ import torch.fx as fx
 from .grad_op import GRAD_MARKER
 from .graph import OpGraph
 from .graph_facts import build_nodes
+from .partition import stage_of_nodes
 
 COPY_SUFFIX = "_recompute"
 _RANDOM = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "randperm", "exponential",
@@ -52,6 +53,7 @@ def recompute_nodes(graph: OpGraph, layer_of: dict[str, int], layers) -> dict[in
     original, which is what a stage boundary needs)."""
     layers = set(layers)
     nodes = graph.nodes
+    reader = reader_layers(graph, layer_of)
     own = {n: layer_of[n] for n, f in nodes.items()
            if f.phase == "forward" and layer_of.get(n) in layers and not is_random(f.target)}
     # An element of a recomputed operator's tuple result (a layer norm's saved mean and rstd) that
@@ -62,7 +64,7 @@ def recompute_nodes(graph: OpGraph, layer_of: dict[str, int], layers) -> dict[in
     need: set[str] = set()
     for f in nodes.values():
         if f.phase != "forward":
-            need.update(a for a in f.inputs if a in own and own[a] == layer_of.get(f.name))
+            need.update(a for a in f.inputs if a in own and own[a] == reader.get(f.name))
     stack = list(need)
     while stack:
         n = stack.pop()
@@ -77,6 +79,17 @@ def recompute_nodes(graph: OpGraph, layer_of: dict[str, int], layers) -> dict[in
     return out
 
 
+def reader_layers(graph: OpGraph, layer_of: dict[str, int]) -> dict[str, int]:
+    """The layer each operator runs in: ``layer_of``, but a parameter's gradient computed in the
+    parameter's layer, as ``partition`` moves it to the parameter's stage. A recomputed value is
+    copied for the readers of its own layer by this count: a pre-norm block's RMSNorm weight
+    gradient reads the normalized input, which the block before computes (the block starts at
+    the weight), and reading that layer's copies it pulled the whole recomputed forward of the
+    layer before (embeddings and their weight) onto the later stage."""
+    num_layers = max(layer_of.values(), default=-1) + 1
+    return stage_of_nodes(graph, layer_of, [(k, k) for k in range(num_layers)])
+
+
 def rematerialize(graph: OpGraph, layer_of: dict[str, int], layers) -> tuple[OpGraph, dict[str, str]]:
     """``graph`` with the forward of ``layers`` recomputed before its backward readers.
 
@@ -85,6 +98,7 @@ def rematerialize(graph: OpGraph, layer_of: dict[str, int], layers) -> tuple[OpG
     groups = recompute_nodes(graph, layer_of, layers)
     if not groups:
         return graph, {}
+    reader = reader_layers(graph, layer_of)
     gm = fx.GraphModule(graph.gm, copy_graph(graph.gm.graph))
     g = gm.graph
     by_name = {n.name: n for n in g.nodes}
@@ -98,7 +112,7 @@ def rematerialize(graph: OpGraph, layer_of: dict[str, int], layers) -> tuple[OpG
         if (node.op != "call_function" or graph.nodes[node.name].phase == "forward"
                 or node.target is operator.getitem):
             continue
-        layer = layer_of.get(node.name)  # its own layer's values only: others' readers keep the originals
+        layer = reader.get(node.name)  # its own layer's values only: others' readers keep the originals
         wanted = [a for a in node.all_input_nodes if a.name in group_of and group_of[a.name] == layer]
         if wanted and groups[layer][0] not in copies:  # the first reader: copy the layer's forward here
             with g.inserting_before(node):
@@ -154,4 +168,5 @@ def extend_sharding(sharding, origin: dict[str, str]):
     return dataclasses.replace(sharding, value_specs=values, input_specs=inputs)
 
 
-__all__ = ["COPY_SUFFIX", "extend_layer_of", "extend_sharding", "is_random", "recompute_nodes", "rematerialize"]
+__all__ = ["COPY_SUFFIX", "extend_layer_of", "extend_sharding", "is_random", "reader_layers", "recompute_nodes",
+           "rematerialize"]
