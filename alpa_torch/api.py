@@ -457,8 +457,8 @@ def deploy_plan(group, plan: ParallelPlan, graph: OpGraph, cluster: Cluster, see
     from alpa_torch.core.remat import extend_layer_of, extend_sharding, rematerialize
     from runtime.engine import Engine, StageDeployment
 
-    graph, copies = rematerialize(graph, plan.layer_of, plan.recompute_layers)
     ranges = [(s.layer_start, s.layer_end) for s in plan.stages]
+    graph, copies = rematerialize(graph, plan.layer_of, plan.recompute_layers, ranges)
     stage_of = stage_of_nodes(graph, extend_layer_of(plan.layer_of, copies), ranges)
     stages = [StageDeployment(s.device_ids, s.logical_mesh, extend_sharding(s.sharding, copies))
               for s in plan.stages]

@@ -402,8 +402,9 @@ def with_simulated_memory(graph, layer_of: dict[str, int], stages, *, num_microb
     from alpa_torch.core.remat import extend_layer_of, extend_sharding, rematerialize  # noqa: PLC0415
 
     try:
-        graph, copies = rematerialize(graph, layer_of, [l for s in stages for l in s.recompute_layers])
-        est = plan_memory(graph, extend_layer_of(layer_of, copies), [(s.layer_start, s.layer_end) for s in stages],
+        ranges = [(s.layer_start, s.layer_end) for s in stages]
+        graph, copies = rematerialize(graph, layer_of, [l for s in stages for l in s.recompute_layers], ranges)
+        est = plan_memory(graph, extend_layer_of(layer_of, copies), ranges,
                           [extend_sharding(s.sharding, copies) for s in stages], num_microbatches=num_microbatches,
                           schedule=schedule)
     except Exception as exc:  # noqa: BLE001 - a figure to report, never a reason to fail planning

@@ -244,11 +244,14 @@ def test_recomputed_layer_stays_on_its_stage_in_a_pre_norm_model(caplog):
     model, step, batches = _pre_norm_twin()
     graph = capture(step, model, torch.optim.AdamW(model.parameters()), batches[0])
     layers = assign_layers(graph, 2)
-    remat, copies = rematerialize(graph, layers.layer_of, [0, 1])
+    remat, copies = rematerialize(graph, layers.layer_of, [0, 1], [(0, 0), (1, 1)])
     layer_of = extend_layer_of(layers.layer_of, copies)
     stage_of = stage_of_nodes(remat, layer_of, [(0, 0), (1, 1)])
     partition(remat, stage_of, 2)  # raised PlanError
     assert all(stage_of[c] == layer_of[c] for c in copies)  # every copy on its original's stage
+    # in one stage the gradient stays, and reads the copy: the normalized input is recomputed, not kept
+    one, _ = rematerialize(graph, layers.layer_of, [0, 1], [(0, 1)])
+    assert len(one.nodes) == len(remat.nodes) + 1
     with caplog.at_level("WARNING"):
         p = plan(graph, Cluster.local(1, 2), num_stages=2, num_layers=2, checkpointing="full")
     assert p.recompute_layers and "memory simulation failed" not in caplog.text

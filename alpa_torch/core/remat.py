@@ -43,17 +43,17 @@ def is_random(target: str) -> bool:
     return any(word in op for word in _RANDOM)
 
 
-def recompute_nodes(graph: OpGraph, layer_of: dict[str, int], layers) -> dict[int, list[str]]:
+def recompute_nodes(graph: OpGraph, layer_of: dict[str, int], layers, stage_ranges=None) -> dict[int, list[str]]:
     """Per recomputed layer, its forward operators to copy, in graph order.
 
     Those are the layer's forward values read by a non-forward operator of the same
     layer, and the forward operators of the same layer they are computed from (a
     value from another layer, a graph input or a random operator's output is read
     as kept; so is a value another layer's backward reads: that reader keeps the
-    original, which is what a stage boundary needs)."""
+    original, which is what a stage boundary needs). ``stage_ranges``: ``reader_layers``'s."""
     layers = set(layers)
     nodes = graph.nodes
-    reader = reader_layers(graph, layer_of)
+    reader = reader_layers(graph, layer_of, stage_ranges)
     own = {n: layer_of[n] for n, f in nodes.items()
            if f.phase == "forward" and layer_of.get(n) in layers and not is_random(f.target)}
     # An element of a recomputed operator's tuple result (a layer norm's saved mean and rstd) that
@@ -79,26 +79,36 @@ def recompute_nodes(graph: OpGraph, layer_of: dict[str, int], layers) -> dict[in
     return out
 
 
-def reader_layers(graph: OpGraph, layer_of: dict[str, int]) -> dict[str, int]:
-    """The layer each operator runs in: ``layer_of``, but a parameter's gradient computed in the
-    parameter's layer, as ``partition`` moves it to the parameter's stage. A recomputed value is
-    copied for the readers of its own layer by this count: a pre-norm block's RMSNorm weight
-    gradient reads the normalized input, which the block before computes (the block starts at
-    the weight), and reading that layer's copies it pulled the whole recomputed forward of the
-    layer before (embeddings and their weight) onto the later stage."""
-    num_layers = max(layer_of.values(), default=-1) + 1
-    return stage_of_nodes(graph, layer_of, [(k, k) for k in range(num_layers)])
+def reader_layers(graph: OpGraph, layer_of: dict[str, int], stage_ranges=None) -> dict[str, int]:
+    """The layer whose recomputed copies each operator reads: its own (``layer_of``), or none
+    where ``partition`` runs it on another stage than its layer's (``stage_ranges``: the
+    stages' inclusive layer ranges; None prices layers alone, as if each were a stage).
+
+    A pre-norm block's RMSNorm weight gradient reads the normalized input, which the block
+    before computes (the block starts at the weight's first reader), so its layer is the one
+    before; where a stage starts at that block, the partition moves the gradient to its weight's
+    stage, where the copies of the layer before (on the stage before, recomputed after this
+    stage's backward) cannot reach: it reads the original, kept. Reading the copies, it pulled
+    the whole recomputed forward of the layer before (the embedding and its weight) onto the
+    later stage, and the plan could not be partitioned."""
+    if stage_ranges is None:
+        return layer_of
+    stage_of = stage_of_nodes(graph, layer_of, [tuple(r) for r in stage_ranges])
+    home = {layer: k for k, (lo, hi) in enumerate(stage_ranges) for layer in range(lo, hi + 1)}
+    return {n: layer for n, layer in layer_of.items() if stage_of[n] == home[layer]}
 
 
-def rematerialize(graph: OpGraph, layer_of: dict[str, int], layers) -> tuple[OpGraph, dict[str, str]]:
+def rematerialize(graph: OpGraph, layer_of: dict[str, int], layers,
+                  stage_ranges=None) -> tuple[OpGraph, dict[str, str]]:
     """``graph`` with the forward of ``layers`` recomputed before its backward readers.
 
     Returns the new graph (a copy; ``graph`` is unchanged) and copy name -> original
-    name. With no layer to recompute, returns ``graph`` itself and {}."""
-    groups = recompute_nodes(graph, layer_of, layers)
+    name. With no layer to recompute, returns ``graph`` itself and {}. A plan's graph needs
+    its ``stage_ranges`` (``reader_layers``)."""
+    groups = recompute_nodes(graph, layer_of, layers, stage_ranges)
     if not groups:
         return graph, {}
-    reader = reader_layers(graph, layer_of)
+    reader = reader_layers(graph, layer_of, stage_ranges)
     gm = fx.GraphModule(graph.gm, copy_graph(graph.gm.graph))
     g = gm.graph
     by_name = {n.name: n for n in g.nodes}
