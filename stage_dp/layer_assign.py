@@ -258,7 +258,8 @@ def _even_cuts(flops: np.ndarray, num_layers: int) -> np.ndarray:
     head), 4 distinct layers. A regular cut, the same count of blocks in every layer but the
     first and the last, has 3 (the ends hold the embeddings and the head anyway), so a quarter
     fewer ILPs per mesh; it is taken when it is as even within ``REGULAR_SLACK`` (on LLaMA-3-8B
-    and -70B it is within 0.01 %: 6 blocks in the first layer instead of in layer 13)."""
+    and -70B it is within 0.01 %: the extra block goes to the first layer, whose embedding is
+    nearly free, instead of a middle one)."""
     least = _least_squares_cuts(flops, num_layers)
     regular = _regular_cuts(flops, num_layers)
     if regular is not None and _sse(flops, regular) <= _sse(flops, least) * (1 + REGULAR_SLACK):
