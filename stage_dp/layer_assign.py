@@ -322,7 +322,8 @@ def _block_starts(graph, forward: list[str]) -> np.ndarray | None:
 
     Layers cut only between blocks repeat: LLaMA-3-8B's 16 layers cut by operator had 7
     distinct signatures (cuts at RMSNorms, half of them inside a decoder layer: layers of
-    1.5 and 2.5 blocks), each one ILP per mesh; cut between blocks, 4 (docs/benchmarks.md)."""
+    1.5 and 2.5 blocks), each one ILP per mesh; cut between blocks, 3 (``_even_cuts``,
+    docs/benchmarks.md)."""
     block_of: dict[str, tuple[str, int]] = {}  # parameter node -> (list, index)
     for s in graph.inputs:
         if s.kind == "param" and (m := _BLOCK.match(s.name)):

@@ -43,17 +43,19 @@ def is_random(target: str) -> bool:
     return any(word in op for word in _RANDOM)
 
 
-def recompute_nodes(graph: OpGraph, layer_of: dict[str, int], layers, stage_ranges=None) -> dict[int, list[str]]:
+def recompute_nodes(graph: OpGraph, layer_of: dict[str, int], layers,
+                    reader: dict[str, int] | None = None) -> dict[int, list[str]]:
     """Per recomputed layer, its forward operators to copy, in graph order.
 
     Those are the layer's forward values read by a non-forward operator of the same
     layer, and the forward operators of the same layer they are computed from (a
     value from another layer, a graph input or a random operator's output is read
     as kept; so is a value another layer's backward reads: that reader keeps the
-    original, which is what a stage boundary needs). ``stage_ranges``: ``reader_layers``'s."""
+    original, which is what a stage boundary needs). ``reader``: the layer whose copies each
+    operator reads (``reader_layers``; default ``layer_of``)."""
     layers = set(layers)
     nodes = graph.nodes
-    reader = reader_layers(graph, layer_of, stage_ranges)
+    reader = layer_of if reader is None else reader
     own = {n: layer_of[n] for n, f in nodes.items()
            if f.phase == "forward" and layer_of.get(n) in layers and not is_random(f.target)}
     # An element of a recomputed operator's tuple result (a layer norm's saved mean and rstd) that
@@ -105,10 +107,10 @@ def rematerialize(graph: OpGraph, layer_of: dict[str, int], layers,
     Returns the new graph (a copy; ``graph`` is unchanged) and copy name -> original
     name. With no layer to recompute, returns ``graph`` itself and {}. A plan's graph needs
     its ``stage_ranges`` (``reader_layers``)."""
-    groups = recompute_nodes(graph, layer_of, layers, stage_ranges)
+    reader = reader_layers(graph, layer_of, stage_ranges)
+    groups = recompute_nodes(graph, layer_of, layers, reader)
     if not groups:
         return graph, {}
-    reader = reader_layers(graph, layer_of, stage_ranges)
     gm = fx.GraphModule(graph.gm, copy_graph(graph.gm.graph))
     g = gm.graph
     by_name = {n.name: n for n in g.nodes}
