@@ -45,9 +45,10 @@ from stage_dp.planner import make_plan
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 8  # 2: tied weights in one stage; 3: activation checkpointing; 4: no empty shards;
+CACHE_VERSION = 9  # 2: tied weights in one stage; 3: activation checkpointing; 4: no empty shards;
 # 5: sharding=False replicates the update (as DDP); 6: layers have a FLOPs floor (balanced pipelines);
-# 7: a stack of repeated blocks is cut between whole blocks; 8: regular cuts of such stacks preferred
+# 7: a stack of repeated blocks is cut between whole blocks; 8: regular cuts of such stacks preferred;
+# 9: views of a weight's cast copy keep its layout (autocast plans)
 ENTRY_FORMAT = "alpa-torch-plan-cache"
 ENV_VAR = "ALPA_TORCH_CACHE"
 PLANNER_LOGGERS = ("intra_ilp", "stage_dp")
