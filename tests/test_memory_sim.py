@@ -241,7 +241,7 @@ def test_views_of_cast_weights_alias_so_the_rule_counts_what_the_backward_keeps(
                            mip_gap=1e-4)
     nodes = {n.name: n for n in graph.gm.graph.nodes}
     stored = {s.node for s in graph.inputs if s.kind == "param"}
-    casts = {n for n, f in graph.nodes.items()
+    casts = {n for n in graph.nodes
              if nodes[n].target is aten._to_copy.default and nodes[n].all_input_nodes[0].name in stored}
     views = [n for n, f in graph.nodes.items() if f.is_view and nodes[n].all_input_nodes[0].name in casts]
     assert casts and views
