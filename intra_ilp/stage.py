@@ -131,7 +131,7 @@ class _Builder:
         return hit[1]
 
     def strategies(self) -> None:
-        self.weight_copies = self._weight_copies()
+        self.weights = self._weights()
         for name in self.order:
             node = self.gm_nodes[name]
             if name not in self.op_names:  # a value the stage reads: a placeholder or another stage's
@@ -171,8 +171,7 @@ class _Builder:
         """
         facts = self.graph.nodes.get(node.name)
         src = node.all_input_nodes[0] if node.all_input_nodes else None
-        if (facts is None or not facts.is_view or src is None or src.name not in self.index
-                or src.name not in self.stored and src.name not in self.weight_copies):
+        if facts is None or not facts.is_view or src is None or src.name not in self.weights:
             return
         opts = self.options[node.name]
         mapping = []
@@ -181,17 +180,17 @@ class _Builder:
             mapping.append(next((k for k, o in enumerate(opts) if o.inputs and o.inputs[0] == spec), -1))
         self.followers.append(Follower(self.index[node.name], self.index[src.name], np.array(mapping)))
 
-    def _weight_copies(self) -> set[str]:
-        """The operators of this stage that cast or view a stored value, or the output of such an operator
-        (``_to_copy(weight)``, ``t(_to_copy(weight))``)."""
-        out: set[str] = set()
+    def _weights(self) -> set[str]:
+        """The stored values, and the operators of this stage that cast or view one of them or
+        the output of such an operator (``_to_copy(weight)``, ``t(_to_copy(weight))``)."""
+        out = set(self.stored)
         for name in self.order:  # producers first
             node, facts = self.gm_nodes[name], self.graph.nodes.get(name)
             if name not in self.op_names or facts is None or not node.all_input_nodes:
                 continue
             src = node.all_input_nodes[0].name
             cast = node.target is torch.ops.aten._to_copy.default
-            if (cast or facts.is_view) and (src in self.stored or src in out):
+            if (cast or facts.is_view) and src in out:
                 out.add(name)
         return out
 
