@@ -45,6 +45,14 @@ Variants (``MeshConfig.variant``), each its own column of the DP:
 - ``min``: least time within 1.02 × the least achievable peak
   (``ilp.min_peak_memory``), tried only when nothing else fits.
 
+A ``lean`` column may stand in for its ILPs before they are solved
+(``MeshConfig.bound``): each layer whose fast solution exceeds the cap is then
+priced by a lower bound, the fast solution's times (the lean ILP minimises the
+same objective under one more constraint, so its optimum is no faster) with
+the least bytes any strategy choice gives each counted value
+(``LayerCost.least_persistent_bytes``...), and no resharding between layers.
+``search`` solves a bound column's ILPs only when the stage DP picks it.
+
 In the memory rows of ``lean`` / ``min`` ILPs activations weigh
 ``activation_scale`` (one microbatch of the largest candidate B).
 ``sharding=False``: only (n, 1) meshes, and parameters, optimizer state,
@@ -104,6 +112,9 @@ class MeshConfig:
     recompute: bool = False
     """The activation-checkpointing twin: the same ILP solutions, every layer of the
     stage recomputed in its backward (``checkpointing.py``)."""
+    bound: bool = False
+    """'lean' only: the layers whose lean ILP is unsolved are priced by their lower bound
+    (module docstring); the solved ones exactly."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -131,6 +142,20 @@ class LayerCost:
     latency_fb_s: float = 0.0
     """The part of ``comm_fb_s`` that is collective latency (α of every collective of the
     forward/backward reshards): also paid in full by every microbatch."""
+    least_persistent_bytes: float = 0.0
+    least_activation_bytes: float = 0.0
+    least_kept_bytes: float = 0.0
+    """The least ``persistent_bytes``, ``activation_bytes`` and ``kept_bytes`` any strategy
+    choice of the layer gives (each counted value at its smallest layout): what a
+    ``MeshConfig.bound`` column charges for a layer whose capped ILP is not solved yet."""
+
+    def lower_bound(self) -> LayerCost:
+        """This (fast) solution as the lower bound of a capped ILP of the same layer (module
+        docstring): its times, the least bytes, and no specs (no stitching priced)."""
+        return dataclasses.replace(
+            self, persistent_bytes=self.least_persistent_bytes, activation_bytes=self.least_activation_bytes,
+            kept_bytes=self.least_kept_bytes,
+            sharding=dataclasses.replace(self.sharding, value_specs={}, input_specs={}))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -250,9 +275,19 @@ class StageCostModel:
         fast = self.layer_cost(layer, dataclasses.replace(cfg, variant="fast", layer_budget_bytes=None))
         return fast.persistent_bytes + activation_scale * fast.activation_bytes <= cfg.layer_budget_bytes
 
-    def layer_cost(self, layer: int, cfg: MeshConfig, activation_scale: float = 1.0) -> LayerCost:
-        """The ILP solution of ``layer`` on ``cfg`` (cached by signature)."""
+    def solved(self, layer: int, cfg: MeshConfig, activation_scale: float = 1.0) -> bool:
+        """``layer_cost`` of ``layer`` on ``cfg`` needs no ILP solve (solved, or a 'lean'
+        layer whose fast solution fits)."""
         key = self._solution_key(layer, cfg, activation_scale)
+        return key in self._solutions or (key[3] == "lean" and self._fast_fits(layer, cfg, activation_scale))
+
+    def layer_cost(self, layer: int, cfg: MeshConfig, activation_scale: float = 1.0) -> LayerCost:
+        """The ILP solution of ``layer`` on ``cfg`` (cached by signature); for a ``bound``
+        column whose ILP is unsolved, its lower bound (module docstring)."""
+        key = self._solution_key(layer, cfg, activation_scale)
+        if cfg.bound and not self.solved(layer, cfg, activation_scale):
+            return self.layer_cost(layer, dataclasses.replace(cfg, variant="fast", layer_budget_bytes=None,
+                                                              bound=False)).lower_bound()
         if key not in self._solutions:
             _, rep, mesh, variant, cap, _ = key
             if variant == "lean" and self._fast_fits(layer, cfg, activation_scale):  # reuse it
@@ -337,7 +372,9 @@ class StageCostModel:
         sharding = stage_sharding(b, instance, sol, (p["compute_fb"] + p["compute_update"],
                                                      p["comm_fb"] + p["comm_update"],
                                                      p["reshard_fb"] + p["reshard_update"]), ops=ops)
+        least = [float(np.min(node.memory_bytes)) for node in instance.nodes]
         recompute_s, kept = self._remat_parts(rep, instance, choice, mem)
+        least_kept = self._remat_parts(rep, instance, choice, least)[1]
         overhead_fb, latency_fb = _fixed_fb_parts(instance, choice, self.graph, ops, b, mesh, self.fx_nodes)
         return LayerCost(compute_fb_s=p["compute_fb"], comm_fb_s=p["comm_fb"] + p["reshard_fb"],
                          compute_update_s=p["compute_update"],
@@ -345,7 +382,10 @@ class StageCostModel:
                          persistent_bytes=sharding.persistent_bytes,
                          activation_bytes=sharding.activation_bytes, sharding=sharding,
                          recompute_s=recompute_s, kept_bytes=min(kept, sharding.activation_bytes),
-                         overhead_fb_s=overhead_fb, latency_fb_s=latency_fb)
+                         overhead_fb_s=overhead_fb, latency_fb_s=latency_fb,
+                         least_persistent_bytes=math.fsum(least[i] for i in persistent),
+                         least_activation_bytes=math.fsum(least[i] for i in saved),
+                         least_kept_bytes=min(least_kept, math.fsum(least[i] for i in saved)))
 
     @functools.cached_property
     def _recompute_nodes(self) -> dict[int, list[str]]:
@@ -444,6 +484,8 @@ class StageCostModel:
     def range_costs(self, cfg: MeshConfig, activation_scale: float = 1.0) -> RangeCosts:
         """Every layer range i..j on ``cfg`` (module docstring), at the captured batch."""
         key = (cfg, activation_scale if cfg.variant != "fast" else None)
+        if cfg.bound:  # priced anew as its layers get solved
+            key += (tuple(self.solved(l, cfg, activation_scale) for l in range(self.layers.num_layers)),)
         if key not in self._ranges:
             num_layers = self.layers.num_layers
             lc = [self.layer_cost(l, cfg, activation_scale) for l in range(num_layers)]

@@ -232,18 +232,50 @@ def test_one_stage_search_prices_only_the_whole_cluster(graph, layers, models):
 
 def test_tightening_the_memory_rule_reuses_every_ilp(graph, layers):
     """The refits of ``_fitting`` only tighten the DP's rule: the lean layer caps stay those of
-    the device's budget, so no ILP is solved again."""
+    the device's budget, so no ILP is solved again (a tighter rule may make the search solve
+    lean ILPs it had not needed; planning under the same rules again solves nothing)."""
     cl = Cluster.simulated(2, 8, device="v100-16gb", intra="nvlink2", inter="eth-25g")
     model = StageCostModel(graph, cl, layers)
     budget = 2e6  # bytes: tight enough that some layers get lean columns
     args = (model, [1, 2, 4, 8], "1f1b", 1 / 8, None, None, True, True, Checkpointing.parse("auto"), lambda m: None)
-    search._fitting_search(*args, budget, cap_budget=budget)
-    solved = model.num_ilps
     assert any(cfg.variant == "lean" for cols in search.candidate_columns(model, model.configs, budget, 1 / 8,
                                                                           lean_all=False) for cfg in cols)
-    for rule in (0.97 * budget, 0.9 * budget):
+    for rule in (budget, 0.97 * budget, 0.9 * budget):
+        search._fitting_search(*args, rule, cap_budget=budget)
+    solved = model.num_ilps
+    for rule in (budget, 0.97 * budget, 0.9 * budget):
         search._fitting_search(*args, rule, cap_budget=budget)
     assert model.num_ilps == solved
+
+
+@pytest.mark.parametrize("budget", [8e5, 1e6])
+def test_lean_ilps_are_solved_only_where_the_best_plan_needs_them(graph, layers, budget):
+    """The search prices unsolved lean columns by lower bounds and solves the lean ILPs of the
+    stages the best plan puts on them, until its stages are all priced exactly: the same plan
+    as with every lean ILP solved first, from no more ILPs (fewer where some lean column is
+    never taken). Budgets where the plan has lean stages."""
+    cl = Cluster.simulated(2, 8, device="v100-16gb", intra="nvlink2", inter="eth-25g")
+    ckpt, candidates = Checkpointing.parse("auto"), [1, 2, 4, 8]
+    lazy, eager = StageCostModel(graph, cl, layers), StageCostModel(graph, cl, layers)
+    res, tables, _ = search._fitting_search(lazy, candidates, "1f1b", 1 / 8, None, None, True, True, ckpt,
+                                            lambda m: None, budget, cap_budget=budget)
+    columns = search.with_recompute(search.candidate_columns(eager, eager.configs, budget, 1 / 8, lean_all=False),
+                                    ckpt)
+    res_all, tables_all = search._search(eager, columns, candidates, budget, "1f1b", 1 / 8, None, None, True)
+
+    def shape(r, t):
+        return [(i, j, t.columns[s][c].submesh, t.columns[s][c].logical_shape, t.columns[s][c].variant)
+                for i, j, s, c in r.stages]
+
+    assert shape(res, tables) == shape(res_all, tables_all)
+    assert any(variant == "lean" for *_, variant in shape(res, tables))
+    assert search.step_time(tables, res.stages) == pytest.approx(search.step_time(tables_all, res_all.stages),
+                                                                 rel=1e-12)
+    assert not any(tables.columns[s][c].bound and not lazy.solved(l, tables.columns[s][c], 1 / 8)
+                   for i, j, s, c in res.stages for l in range(i, j + 1))
+    assert lazy.num_ilps <= eager.num_ilps
+    if budget == 1e6:
+        assert lazy.num_ilps < eager.num_ilps
 
 
 def test_a_plan_above_its_simulated_budget_is_not_planned_again(graph, models):
