@@ -307,7 +307,8 @@ class StageCostModel:
         ``requests`` and cache them as it does, on up to ``workers`` forked processes
         (``fork_pool``). One job per mesh: its fast ILPs, then its capped ones (a 'lean'
         layer whose fast solution fits the cap reuses it, no ILP), so a mesh's strategies
-        and instances are built once, in one process. ``ilp_s`` adds up the jobs' seconds."""
+        and instances are built once, in one process; one job per ILP where there are fewer
+        meshes than processes and no mesh has both kinds. ``ilp_s`` adds up the jobs' seconds."""
         jobs: dict[cm.MeshCost, dict[tuple, tuple]] = {}
         for layer, cfg, scale in sorted(requests, key=lambda r: r[1].variant != "fast"):
             key = self._solution_key(layer, cfg, scale)
@@ -317,8 +318,12 @@ class StageCostModel:
             return
         # the biggest jobs first (ILPs x devices of the mesh: bigger meshes have more strategies),
         # so that no process is left with a big one while the others are done
-        todo = sorted((list(group.items()) for group in jobs.values()),
-                      key=lambda g: -len(g) * math.prod(g[0][0][2].mesh_shape))
+        todo = [list(group.items()) for group in jobs.values()]
+        if len(todo) < self.workers and all(len({key[3] == "fast" for key, _ in g}) == 1 for g in todo):
+            # fewer meshes than processes (the search's rounds of lean ILPs): one job per ILP keeps every
+            # process busy; a mesh's strategies are then costed in each process that has one of its ILPs
+            todo = [[item] for g in todo for item in g]
+        todo.sort(key=lambda g: -len(g) * math.prod(g[0][0][2].mesh_shape))
         self.progress(f"{sum(map(len, todo))} ILPs at most on {len(todo)} meshes, "
                       f"{min(self.workers, len(todo))} process(es)")
 

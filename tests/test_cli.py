@@ -284,6 +284,14 @@ def test_explain_parts_add_up_and_name_the_binding_constraint():
     kind, why = binding_constraint(tight)
     assert kind == "memory" and "over the" in why
     assert "Binding constraint: MEMORY" in explain(tight)
+    # a runner-up on a lean column the search left unsolved is shown as the lower bound it is
+    bound = {**faster, "label": "1 stage(s) forced, B=1", "summary": "B=1 L0-1@1x2/1x2[lean]",
+             "num_stages": 1, "peak_memory_bytes": plan.memory_budget_bytes / 2, "fits": True,
+             "memory_unlimited": False, "lower_bound": True}
+    text = explain(dataclasses.replace(plan, options={**plan.options, "alternatives": [bound]}))
+    row = next(line for line in text.splitlines() if "1 stage(s) forced" in line)
+    assert row.split()[1].startswith(">=") and "yes?" in row and ">=: a lower bound" in text
+    assert ">=" not in explain(tight)
 
 
 def test_plan_progress_counts_ilps_and_renders_only_when_enabled():
