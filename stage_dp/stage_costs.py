@@ -51,7 +51,11 @@ priced by a lower bound, the fast solution's times (the lean ILP minimises the
 same objective under one more constraint, so its optimum is no faster) with
 the least bytes any strategy choice gives each counted value
 (``LayerCost.least_persistent_bytes``...), and no resharding between layers.
-``search`` solves a bound column's ILPs only when the stage DP picks it.
+``search`` solves a bound column's ILPs only when the stage DP picks it. The
+bound is exact up to the ILP's gap and one approximation: the DP weighs a
+stage's fixed per-microbatch costs (``overhead_fb_s``, ``latency_fb_s``) apart
+from the rest, and a lean solution with smaller fixed costs than the fast one's
+could price below it there.
 
 In the memory rows of ``lean`` / ``min`` ILPs activations weigh
 ``activation_scale`` (one microbatch of the largest candidate B).
