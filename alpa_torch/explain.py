@@ -81,7 +81,7 @@ def alternatives(model, plan: ParallelPlan) -> list[dict]:
             label = (f"{k} stage(s) forced, B={b}" if k else f"{forced} stage(s) as planned, B={b}" if forced
                      else f"best at B={b}")
             _add(out, seen, tables, devices, k or forced, pipeline, sub_idx, label=label, budget=budget,
-                 schedule=schedule, bounded=_bounded(model, scale))
+                 schedule=schedule, bounds=(model, scale))
         free = build_tables(model, free_columns, b, math.inf, schedule, scale)
         _add(out, seen, free, devices, forced, pipeline, sub_idx, label=f"no memory limit, B={b}",
              budget=budget, schedule=schedule, unlimited=True)
@@ -104,15 +104,12 @@ def _stage_counts(chosen: int, model, devices: int) -> list[int]:
     return sorted(k for k in ks if 1 <= k <= top)
 
 
-def _bounded(model, scale):
-    """Whether a stage (start, end, cfg) is priced by lower bounds (``stage_dp.stage_costs``)."""
-    return lambda i, j, cfg: cfg.bound and not all(model.solved(l, cfg, scale) for l in range(i, j + 1))
-
-
 def _add(out, seen, tables, devices, num_stages, pipeline, sub_idx, *, label, budget, schedule, unlimited=False,
-         bounded=lambda i, j, cfg: False):
+         bounds=None):
+    """The DP's best plan on ``tables`` under the forced options, described, into ``out`` unless
+    seen; ``bounds`` = (cost model, activation scale) where ``tables`` has bound columns."""
     from stage_dp.dp import NoFeasiblePlanError
-    from stage_dp.search import run_dp, step_time
+    from stage_dp.search import bound_layers, run_dp, step_time
 
     try:
         res = run_dp(tables, devices, num_stages=num_stages, max_stages=None if pipeline else 1,
@@ -124,20 +121,20 @@ def _add(out, seen, tables, devices, num_stages, pipeline, sub_idx, *, label, bu
     if key in seen:
         return
     seen.add(key)
+    lower = bounds is not None and bool(bound_layers(bounds[0], tables, res.stages, bounds[1]))
     out.append(describe_stages(tables, res.stages, step_time(tables, res.stages), label=label, budget=budget,
-                               schedule=schedule, unlimited=unlimited, bounded=bounded))
+                               schedule=schedule, unlimited=unlimited, lower_bound=lower))
 
 
 def describe_stages(tables, stages, total_s: float, *, label: str, budget: float, schedule: str,
-                    unlimited: bool, bounded=lambda i, j, cfg: False) -> dict:
+                    unlimited: bool, lower_bound: bool = False) -> dict:
     """A runner-up as data: summary, time parts (eq. 2) and peak memory per device;
-    ``lower_bound`` where a stage is priced by bounds (``bounded(start, end, cfg)``: a lean
-    column whose ILPs the search did not solve), its time and memory then at least these."""
+    ``lower_bound``: a stage is priced by bounds (a lean column whose ILPs the search did not
+    solve, ``stage_dp.search.bound_layers``), its time and memory are then at least these."""
     b, k_total = tables.num_microbatches, len(stages)
-    parts, peak, slow, lower = [], 0.0, (-1.0, 0.0, 0.0), False
+    parts, peak, slow = [], 0.0, (-1.0, 0.0, 0.0)
     for k, (i, j, s, c) in enumerate(stages):
         cfg = tables.columns[s][c]
-        lower = lower or bounded(i, j, cfg)
         in_flight = b if schedule == "gpipe" else min(k_total - k, b)  # as search.build_plan
         peak = max(peak, float(tables.persistent_bytes[i, j, s, c] + in_flight * tables.activation_bytes[i, j, s, c]))
         t, comp = float(tables.cost_s[i, j, s, c]), float(tables.compute_s[i, j, s, c])
@@ -149,7 +146,7 @@ def describe_stages(tables, stages, total_s: float, *, label: str, budget: float
     return {"label": label, "summary": f"B={b} " + " | ".join(parts), "num_microbatches": b,
             "num_stages": k_total, "predicted_step_s": float(total_s), "compute_s": b * comp,
             "communication_s": b * comm, "bubble_s": float(total_s) - b * t_max, "peak_memory_bytes": peak,
-            "fits": bool(peak <= budget), "memory_unlimited": unlimited, "lower_bound": lower}
+            "fits": bool(peak <= budget), "memory_unlimited": unlimited, "lower_bound": lower_bound}
 
 
 def with_alternatives(plan: ParallelPlan, alts: list[dict], **extra) -> ParallelPlan:
@@ -270,12 +267,9 @@ def _runner_ups(plan: ParallelPlan, top: int) -> list[str]:
                      f"{at_least}{a['peak_memory_bytes'] / GiB:.3f}",
                      ("yes" if a["fits"] else "NO") if not at_least else "yes?" if a["fits"] else "NO", a["label"],
                      a["summary"]))
-    if any(a.get("lower_bound") for a in others[:top]):
-        rows_note = ["  >=: a lower bound (a stage on a memory-lean ILP variant the search did not need to solve: "
-                     "its time and memory are at least these, and it may not fit)"]
-    else:
-        rows_note = []
-    return lines + _table(rows) + rows_note
+    note = ["  >=: a lower bound (a stage on a memory-lean ILP variant the search did not need to solve: "
+            "its time and memory are at least these, and it may not fit)"]
+    return lines + _table(rows) + (note if any(a.get("lower_bound") for a in others[:top]) else [])
 
 
 def _table(rows) -> list[str]:

@@ -379,20 +379,19 @@ def _search_solving_picked(model, columns, candidates, budget, schedule, scale, 
         best = _search(model, columns, candidates, budget, schedule, scale, num_stages, sub_idx, pipeline)
         if best is None:
             return None
-        if not solve_bound_stages(model, best[1], best[0].stages, scale, say):
+        todo = bound_layers(model, best[1], best[0].stages, scale)
+        if not todo:
             return best
-
-
-def solve_bound_stages(model, tables: StageTables, stages, scale: float, say=lambda msg: None) -> bool:
-    """Solve the lean ILPs of the layers of ``stages`` (start, end, s, c) that ``tables`` prices
-    by bounds (``bound`` columns, ``stage_costs``); False if there were none: the stages are
-    priced exactly."""
-    todo = {(l, dataclasses.replace(cfg, recompute=False)) for i, j, s, c in stages
-            if (cfg := tables.columns[s][c]).bound for l in range(i, j + 1) if not model.solved(l, cfg, scale)}
-    if todo:
         say(f"{len(todo)} layer(s) of the best plan so far are priced by bounds: solving their lean ILPs")
         model.solve_many([(l, cfg, scale) for l, cfg in todo])
-    return bool(todo)
+
+
+def bound_layers(model, tables: StageTables, stages, scale: float) -> set:
+    """(layer, config) of each layer of ``stages`` (start, end, s, c) that ``tables`` prices by a
+    lower bound (a ``bound`` column whose ILP is unsolved, ``stage_costs``); empty when the
+    stages are priced exactly."""
+    return {(l, dataclasses.replace(cfg, recompute=False)) for i, j, s, c in stages
+            if (cfg := tables.columns[s][c]).bound for l in range(i, j + 1) if not model.solved(l, cfg, scale)}
 
 
 def planned_submeshes(cluster, options: PlanOptions) -> list[tuple[int, int]] | None:
