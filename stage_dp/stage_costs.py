@@ -13,7 +13,7 @@ So we solve one ILP per (distinct layer, mesh) and stitch ranges:
 
 - t_l: the ILP optimum of layer l alone (its forward, backward and update
   operators; values from other layers are ILP sources with a free spec; only
-  the layer's own operators' compute is counted, see ``_phase_parts``);
+  the layer's own operators' compute is counted, see ``layer_parts.phase_parts``);
 - x_ab: the resharding between the specs layer a's solution gives a value and
   the input spec layer b's solution wants for it (``cost_model.reshard_s``),
   summed over every edge between layers a and b (both directions). The
@@ -81,7 +81,6 @@ import numpy as np
 import torch
 
 from alpa_torch.core.errors import InfeasibleMemoryError
-from alpa_torch.core.grad_op import GRAD_MARKER_NAME
 from alpa_torch.core.remat import recompute_nodes
 from alpa_torch.core.sharding import StageSharding
 from intra_ilp import cost_model as cm
@@ -92,6 +91,7 @@ from intra_ilp.stage import build_stage_instance, stage_sharding
 from .checkpointing import range_max
 from .fork_pool import default_workers, fork_map
 from .layer_assign import LayerAssignment, LayerSignatures
+from .layer_parts import fixed_fb_parts, latency_s, node_val, phase_parts
 
 logger = logging.getLogger(__name__)
 
@@ -187,10 +187,6 @@ def batch_size(graph) -> int:
     """Leading dim of the first batch input the graph was captured with (1 if none)."""
     shapes = graph.meta.get("batch_shapes") or []
     return int(shapes[0][0]) if shapes and len(shapes[0]) else 1
-
-
-def _val(node):
-    return node.meta.get("val")
 
 
 class StageCostModel:
@@ -376,7 +372,7 @@ class StageCostModel:
         choice = sol.strategy_index
         ops = set(self.sigs.ops[rep])
         # the layer's operators, plus the batch inputs it loads (priced as loads: ``build_stage_instance``)
-        p = _phase_parts(instance, choice, self.graph, ops | set(b.fed))
+        p = phase_parts(instance, choice, self.graph, ops | set(b.fed))
         mem = [float(instance.nodes[i].memory_bytes[choice[i]]) for i in range(len(instance.nodes))]
         sharding = stage_sharding(b, instance, sol, (p["compute_fb"] + p["compute_update"],
                                                      p["comm_fb"] + p["comm_update"],
@@ -384,7 +380,7 @@ class StageCostModel:
         least = [float(np.min(node.memory_bytes)) for node in instance.nodes]
         recompute_s, kept = self._remat_parts(rep, instance, choice, mem)
         least_kept = self._remat_parts(rep, instance, choice, least)[1]
-        overhead_fb, latency_fb = _fixed_fb_parts(instance, choice, self.graph, ops, b, mesh, self.fx_nodes)
+        overhead_fb, latency_fb = fixed_fb_parts(instance, choice, self.graph, ops, b, mesh, self.fx_nodes)
         return LayerCost(compute_fb_s=p["compute_fb"], comm_fb_s=p["comm_fb"] + p["reshard_fb"],
                          compute_update_s=p["compute_update"],
                          comm_update_s=p["comm_update"] + p["reshard_update"],
@@ -448,18 +444,18 @@ class StageCostModel:
             node = self.fx_nodes[v]
             if node.target is operator.getitem:
                 continue
-            ins = [a for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor)]
+            ins = [a for a in node.all_input_nodes if isinstance(node_val(a), torch.Tensor)]
             for j, a in enumerate(ins):
                 la = layer_of.get(a.name)
                 if la is not None and la != layer_of[v]:
-                    val = _val(a)
+                    val = node_val(a)
                     out.append((a.name, la, v, layer_of[v], j, tuple(val.shape), val.element_size(),
                                 self.graph.nodes[v].phase))
         stored = {(s.kind, s.name): s.node for s in self.graph.inputs}
         for s in self.graph.outputs:
             dst = stored.get((s.kind, s.name))
             if dst and s.node in layer_of and layer_of[s.node] != layer_of[dst]:
-                val = _val(self.fx_nodes[dst])
+                val = node_val(self.fx_nodes[dst])
                 out.append((s.node, layer_of[s.node], dst, layer_of[dst], -1, tuple(val.shape),
                             val.element_size(), "update"))
         return out
@@ -487,7 +483,7 @@ class StageCostModel:
             cost = cm.reshard_s(mesh, spec_src, spec_dst, shape, itemsize)
             (x_up if phase == "update" else x_fb)[min(la, lb), max(la, lb)] += cost
             if phase != "update" and cost > 0:
-                x_lat[min(la, lb), max(la, lb)] += _latency_s(mesh, spec_src, spec_dst, shape, itemsize)
+                x_lat[min(la, lb), max(la, lb)] += latency_s(mesh, spec_src, spec_dst, shape, itemsize)
         return x_fb, x_up, x_lat
 
     def range_costs(self, cfg: MeshConfig, activation_scale: float = 1.0) -> RangeCosts:
@@ -558,71 +554,6 @@ def _pair_sums(x: np.ndarray) -> np.ndarray:
         col = np.cumsum(x[:j, j][::-1])[::-1]  # col[i] = sum_{a=i}^{j-1} x[a, j]
         out[:j, j] = out[:j, j - 1] + col
     return out
-
-
-def _phase_parts(instance, choice, graph, ops: set[str]) -> dict[str, float]:
-    """ILP cost of the chosen strategies split by phase and kind. Nodes count by their
-    own phase, and only those in ``ops``: a source produced by an operator of another
-    layer is that layer's cost (older ``build_stage_instance`` priced it in both).
-    Edges count in the consumer's phase (an edge into a stored input, i.e. an updated
-    state written back, is update)."""
-    acc: dict[tuple[str, str], list[float]] = {(ph, kind): [] for ph in ("fb", "update")
-                                                for kind in ("compute", "comm", "reshard")}
-
-    def phase(name, placeholder):
-        node = graph.nodes.get(name)
-        return placeholder if node is None else "update" if node.phase == "update" else "fb"
-
-    for i, node in enumerate(instance.nodes):
-        if node.name in ops:  # a placeholder here is a batch input, loaded per microbatch
-            acc[phase(node.name, "fb"), "compute"].append(float(node.compute_s[choice[i]]))
-            acc[phase(node.name, "fb"), "comm"].append(float(node.comm_s[choice[i]]))
-    for e in instance.edges:
-        acc[phase(instance.nodes[e.dst].name, "update"), "reshard"].append(
-            float(e.reshard_s[choice[e.src], choice[e.dst]]))
-    return {f"{kind}_{ph}": math.fsum(v) for (ph, kind), v in acc.items()}
-
-
-def _fixed_fb_parts(instance, choice, graph, ops: set[str], builder, mesh: cm.MeshCost,
-                    fx_nodes) -> tuple[float, float]:
-    """(operator overhead, collective latency) of the layer's forward/backward under ``choice``:
-    ``mesh.op_overhead_s`` per forward/backward operator of ``ops`` the runtime runs (not a
-    ``getitem`` nor a gradient marker), and α of every collective on the cheapest reshard
-    path (``cost_model.reshard_path``) of each forward/backward edge the choice pays for.
-    Both are per microbatch whatever its size (``search.build_tables``)."""
-
-    ran = 0
-    for name in ops:
-        facts, node = graph.nodes.get(name), fx_nodes.get(name)
-        if facts is None or node is None or facts.phase == "update":
-            continue
-        if node.target is operator.getitem or str(node.target) == GRAD_MARKER_NAME:
-            continue
-        ran += 1
-    latency = 0.0
-    for e in instance.edges:
-        dst_name, src_name = instance.nodes[e.dst].name, instance.nodes[e.src].name
-        facts = graph.nodes.get(dst_name)
-        if facts is None or facts.phase == "update" or not e.reshard_s[choice[e.src], choice[e.dst]] > 0:
-            continue
-        dst_node = fx_nodes[dst_name]
-        tensor_inputs = [a.name for a in dst_node.all_input_nodes if isinstance(_val(a), torch.Tensor)]
-        if src_name not in tensor_inputs:
-            continue
-        j = tensor_inputs.index(src_name)
-        src_st, dst_st = builder.options[src_name][choice[e.src]], builder.options[dst_name][choice[e.dst]]
-        src_spec = src_st.outputs[0] if src_st.outputs and src_st.outputs[0] else None
-        if src_spec is None or j >= len(dst_st.inputs):
-            continue
-        val = _val(fx_nodes[src_name])
-        latency += _latency_s(mesh, src_spec, dst_st.inputs[j], tuple(val.shape), val.element_size())
-    return ran * mesh.op_overhead_s, latency
-
-
-def _latency_s(mesh: cm.MeshCost, src, dst, shape, itemsize: int) -> float:
-    """α of every collective on the cheapest reshard path from ``src`` to ``dst``."""
-    steps = cm.reshard_path(mesh, src, dst, tuple(shape), itemsize)
-    return math.fsum(mesh.axis_alpha_s(st.axis) for st in steps if st.collective not in ("slice", "zero", "relabel"))
 
 
 def _with_replicated_state(instance, builder, graph):
