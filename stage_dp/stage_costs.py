@@ -270,9 +270,13 @@ class StageCostModel:
             return (self._key, rep, mesh, "fast", None, None)
         return (self._key, rep, mesh, cfg.variant, cfg.layer_budget_bytes, activation_scale)
 
+    def _fast_cost(self, layer: int, cfg: MeshConfig) -> LayerCost:
+        """The fast solution of ``layer`` on ``cfg``'s mesh (solved here if need be)."""
+        return self.layer_cost(layer, dataclasses.replace(cfg, variant="fast", layer_budget_bytes=None, bound=False))
+
     def _fast_fits(self, layer: int, cfg: MeshConfig, activation_scale: float) -> bool:
         """'lean' only: the fast solution (solved here) already fits the layer cap."""
-        fast = self.layer_cost(layer, dataclasses.replace(cfg, variant="fast", layer_budget_bytes=None))
+        fast = self._fast_cost(layer, cfg)
         return fast.persistent_bytes + activation_scale * fast.activation_bytes <= cfg.layer_budget_bytes
 
     def solved(self, layer: int, cfg: MeshConfig, activation_scale: float = 1.0) -> bool:
@@ -286,13 +290,11 @@ class StageCostModel:
         column whose ILP is unsolved, its lower bound (module docstring)."""
         key = self._solution_key(layer, cfg, activation_scale)
         if cfg.bound and not self.solved(layer, cfg, activation_scale):
-            return self.layer_cost(layer, dataclasses.replace(cfg, variant="fast", layer_budget_bytes=None,
-                                                              bound=False)).lower_bound()
+            return self._fast_cost(layer, cfg).lower_bound()
         if key not in self._solutions:
             _, rep, mesh, variant, cap, _ = key
             if variant == "lean" and self._fast_fits(layer, cfg, activation_scale):  # reuse it
-                self._solutions[key] = self.layer_cost(layer, dataclasses.replace(cfg, variant="fast",
-                                                                                  layer_budget_bytes=None))
+                self._solutions[key] = self._fast_cost(layer, cfg)
             else:
                 self.progress(f"ILP {self.num_ilps + 1}: layer {rep} ({len(self.sigs.ops[rep])} ops) on mesh "
                               f"{cfg.logical_shape} of submesh {cfg.submesh}, {variant}")
@@ -379,7 +381,7 @@ class StageCostModel:
                                                      p["reshard_fb"] + p["reshard_update"]), ops=ops)
         least = [float(np.min(node.memory_bytes)) for node in instance.nodes]
         recompute_s, kept = self._remat_parts(rep, instance, choice, mem)
-        least_kept = self._remat_parts(rep, instance, choice, least)[1]
+        least_kept, least_act = self._remat_parts(rep, instance, choice, least)[1], math.fsum(least[i] for i in saved)
         overhead_fb, latency_fb = fixed_fb_parts(instance, choice, self.graph, ops, b, mesh, self.fx_nodes)
         return LayerCost(compute_fb_s=p["compute_fb"], comm_fb_s=p["comm_fb"] + p["reshard_fb"],
                          compute_update_s=p["compute_update"],
@@ -389,8 +391,7 @@ class StageCostModel:
                          recompute_s=recompute_s, kept_bytes=min(kept, sharding.activation_bytes),
                          overhead_fb_s=overhead_fb, latency_fb_s=latency_fb,
                          least_persistent_bytes=math.fsum(least[i] for i in persistent),
-                         least_activation_bytes=math.fsum(least[i] for i in saved),
-                         least_kept_bytes=min(least_kept, math.fsum(least[i] for i in saved)))
+                         least_activation_bytes=least_act, least_kept_bytes=min(least_kept, least_act))
 
     @functools.cached_property
     def _recompute_nodes(self) -> dict[int, list[str]]:
