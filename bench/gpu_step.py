@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     from alpa_torch import parallelize
     from alpa_torch.core.cluster import Cluster
     from alpa_torch.zoo import GPT, GPTConfig, make_optimizer, train_step
+    from runtime.discovery import builtin_device_for_cuda
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -47,8 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.block, n_layer=args.layers, n_head=args.heads,
                     n_embd=args.width)
-    name = torch.cuda.get_device_name(0).lower()
-    cluster = Cluster.simulated(1, 1, "h100-80gb" if "h100" in name or "h200" in name else "a100-80gb")
+    cluster = Cluster.simulated(1, 1, builtin_device_for_cuda(torch.cuda.get_device_name(0)) or "a100-80gb")
     ray.init(address="local", num_gpus=1, include_dashboard=False)
     torch.manual_seed(0)
     eager = GPT(cfg).cuda()

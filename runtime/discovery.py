@@ -30,6 +30,20 @@ logger = logging.getLogger(__name__)
 _RAY_ACCELERATORS = {"V100": "v100-16gb", "A100": "a100-40gb", "A100-40G": "a100-40gb",
                      "A100-80G": "a100-80gb", "H100": "h100-80gb", "B200": "b200"}
 
+_CUDA_NAMES = (("h100", "h100-80gb"), ("h200", "h100-80gb"), ("b200", "b200"), ("v100", "v100-16gb"))
+"""Substring of ``torch.cuda.get_device_name`` (lower case) -> built-in device; A100 by its memory."""
+
+
+def builtin_device_for_cuda(name: str) -> str | None:
+    """The built-in device spec for a CUDA device named ``name`` (as ``torch.cuda.get_device_name``
+    gives it, e.g. 'NVIDIA H100 80GB HBM3'), or None when no built-in matches. An H200 is priced as
+    an H100 (the same compute; its larger memory is left unused by the plan)."""
+    lower = name.lower()
+    if "a100" in lower:
+        return "a100-80gb" if "80g" in lower else "a100-40gb"
+    return next((spec for key, spec in _CUDA_NAMES if key in lower), None)
+
+
 class _RayLayout(NamedTuple):
     device: DeviceSpec
     num_hosts: int

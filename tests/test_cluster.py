@@ -16,7 +16,7 @@ import pytest
 
 from alpa_torch.core.cluster import DEVICE_SPECS, LINK_SPECS, Cluster, DeviceSpec, LinkSpec
 from alpa_torch.core.errors import ClusterSpecError
-from runtime.discovery import cluster_from_ray
+from runtime.discovery import builtin_device_for_cuda, cluster_from_ray
 
 TERA = 1e12
 
@@ -486,3 +486,11 @@ def test_submesh_device_ids_rejects_bad_placement(submesh, offset):
     with pytest.raises(ClusterSpecError) as info:
         Cluster.simulated(4, 8).submesh_device_ids(submesh, offset)
     assert "Fix" in str(info.value) and repr(submesh) in str(info.value)
+
+
+@pytest.mark.parametrize("name, spec", [
+    ("NVIDIA H100 80GB HBM3", "h100-80gb"), ("NVIDIA H200", "h100-80gb"), ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+    ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("Tesla V100-SXM2-16GB", "v100-16gb"), ("NVIDIA L4", None)])
+def test_a_cuda_device_name_maps_to_its_builtin_spec(name, spec):
+    assert builtin_device_for_cuda(name) == spec
+    assert spec is None or spec in DEVICE_SPECS

@@ -16,10 +16,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def _gpu_cluster():
     from alpa_torch.core.cluster import Cluster
+    from runtime.discovery import builtin_device_for_cuda
 
-    name = torch.cuda.get_device_name(0).lower()
-    device = "h100-80gb" if "h100" in name or "h200" in name else "a100-80gb"
-    return Cluster.simulated(1, 1, device)
+    return Cluster.simulated(1, 1, builtin_device_for_cuda(torch.cuda.get_device_name(0)) or "a100-80gb")
 
 
 @pytest.fixture
