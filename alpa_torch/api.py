@@ -62,6 +62,7 @@ from stage_dp.coupling import loss_combine
 from stage_dp.planner import check_plan
 
 from . import tune as tuner
+from . import viz
 from .batch import BatchLayout, check_indices, index_rules
 from .capture import capture, check_precision
 from .initial_state import checkpoint_source, give_storage, model_sources
@@ -92,7 +93,7 @@ class ParallelStep(ResilientStep):
                  precision: str = "fp32", plan_cache: bool | str | None = None, max_restarts: int = 0,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 1, tune: bool | None = None,
                  init_fn: Callable[[torch.nn.Module], None] | None = None, weights: str | None = None,
-                 host_timeout_s: float = 60.0, **option_fields: Any):
+                 host_timeout_s: float = 60.0, trace: bool = False, **option_fields: Any):
         """See ``parallelize``; ``option_fields``: ``PlanOptions``'s fields (or ``options``)."""
         check_reliability_options(max_restarts, checkpoint_dir, checkpoint_every, host_timeout_s)
         functools.update_wrapper(self, train_step)  # the decorated step keeps its name and docstring
@@ -108,11 +109,15 @@ class ParallelStep(ResilientStep):
             raise TypeError(f"parallelize: {exc}. Its options are PlanOptions's fields "
                             f"({', '.join(f.name for f in dataclasses.fields(PlanOptions))}), plan, progress, "
                             "precision, plan_cache, max_restarts, checkpoint_dir, checkpoint_every, host_timeout_s, "
-                            "tune, init_fn, weights") from None
+                            "tune, init_fn, weights, trace") from None
         self.tune = tuner.enabled(tune)
         self.tuning: list[dict] = []
         """The candidates of measured plan selection (``alpa_torch.tune.Candidate.to_dict``), in order."""
         self.init_fn, self.weights = init_fn, weights
+        if not isinstance(trace, bool):
+            raise TypeError(f"parallelize: trace={trace!r} must be True or False")
+        self.trace = trace
+        """Record what every worker does in each step (``measured_trace``)."""
         """How a model built on the meta device gets its values (``alpa_torch.initial_state``)."""
         self.progress = progress
         self.plan_cache = PlanCache.from_option(plan_cache)
@@ -319,7 +324,23 @@ class ParallelStep(ResilientStep):
     def _deploy(self):
         engine, self._recomputed = deploy_plan(self.group, self.plan, self.run_graph, self.cluster, self._seed,
                                                self._combine)
+        if self.trace:
+            engine.record(True)
         return engine
+
+    def measured_trace(self, path: str | os.PathLike[str] | None = None) -> dict:
+        """What every worker did in the last step, when: a Chrome/Perfetto trace (``viz.trace_from_events``;
+        needs ``parallelize(..., trace=True)``), also written to ``path`` if given. Beside the
+        predicted one (``viz.trace_from_timeline(viz.predicted_timeline(step.plan), step.plan)``),
+        ``viz.compare_traces`` draws both."""
+        if not self.trace:
+            raise RuntimeError("this step does not record its runs: create it with parallelize(..., trace=True)")
+        if self.engine is None:
+            raise RuntimeError("no step has run yet: call the step once, then ask for its trace")
+        out = viz.trace_from_events(self.engine.events(), self.plan)
+        if path is not None:
+            viz.write_trace(out, path)
+        return out
 
     def _recapture(self, model, optimizer, batch, change: str) -> None:
         """Capture and plan the step again for what changed, and run it on the same workers from the
@@ -526,7 +547,10 @@ def parallelize(train_step: Callable | Cluster | None = None, cluster: Cluster |
     True unless ``$ALPA_TORCH_TUNE`` is 0: where the cost model cannot tell the searched
     plan, the best one-stage plan and the data-parallel plan apart, the first call runs
     each for a few steps on the cluster and keeps the fastest measured, remembered in the
-    plan cache; ``step.tuning`` lists them; ``alpa_torch.tune``). The default cluster is ``Cluster.local(1, 2)``.
+    plan cache; ``step.tuning`` lists them; ``alpa_torch.tune``), ``trace`` (default False:
+    True records when each worker ran each forward, backward, update, transfer and gradient
+    reduction of a step; ``step.measured_trace(path)`` gives the last step's as a Perfetto
+    trace). The default cluster is ``Cluster.local(1, 2)``.
 
     Mixed precision: ``precision`` is 'fp32' (default), 'bf16' or 'fp16'. With 'bf16' /
     'fp16' the step's forward and loss run under ``torch.autocast`` (matmuls in the low

@@ -219,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", dest="plan_file", type=_existing_file, metavar="PLAN.json", help="run this plan")
     p.add_argument("--check", action="store_true", help="replay the steps eagerly on one device and compare")
     p.add_argument("--tolerance", type=_positive_float, default=1e-4, help="--check: largest loss difference")
+    p.add_argument("--trace", metavar="FILE.json", help="write what every device did in the last step as a "
+                   "Perfetto trace, and the predicted one beside it (FILE.predicted.json)")
     _common(p)
     p.set_defaults(func="train", use_ray=True)
 
@@ -383,7 +385,9 @@ def cmd_train(args) -> int:
 the demo of examples/train_gpt.py. Prints the loss of every step ("step N loss
 X, S samples/s"; a progress bar on a terminal), then the plan. --check replays
 the same steps eagerly on one device and fails (exit 1) if a loss differs by more
-than --tolerance. --plan runs a saved plan instead of searching."""
+than --tolerance. --plan runs a saved plan instead of searching. --trace records
+when each device ran each forward, backward, update and transfer of the last step
+and writes it as a Perfetto trace, with the cost model's prediction beside it."""
     import copy
     import time
 
@@ -400,7 +404,7 @@ than --tolerance. --plan runs a saved plan instead of searching."""
     size = _batch_size(work.batch)
     plan_bar = PlanProgress(enabled=False if args.quiet else None)
     step = parallelize(work.train_step, cluster, plan=args.plan_file, progress=plan_bar,
-                       precision=args.precision, options=plan_options(args))
+                       precision=args.precision, options=plan_options(args), trace=bool(args.trace))
     losses, times = [], []
     lines = not args.quiet and not interactive()
     try:
@@ -417,6 +421,8 @@ than --tolerance. --plan runs a saved plan instead of searching."""
                     print(f"step {i} loss {losses[-1]:.6f} ({rate})", flush=True)
         if not args.quiet:
             print(step.plan.table(), flush=True)
+        if args.trace:
+            _write_traces(args, step)
     finally:
         plan_bar.close()
         step.shutdown()
@@ -429,6 +435,17 @@ than --tolerance. --plan runs a saved plan instead of searching."""
     print(f"max |loss - eager loss| = {worst:.3g} ({'ok' if worst <= args.tolerance else 'FAILED'}, "
           f"tolerance {args.tolerance:g})", flush=True)
     return 0 if worst <= args.tolerance else 1
+
+
+def _write_traces(args, step) -> None:
+    """--trace: the last step as measured, and as the cost model predicts it, side by side."""
+    from . import viz
+
+    step.measured_trace(args.trace)
+    predicted = str(Path(args.trace).with_suffix(".predicted.json"))
+    viz.write_trace(viz.trace_from_timeline(viz.predicted_timeline(step.plan), step.plan), predicted)
+    _note(args, f"wrote {args.trace} (measured, last step) and {predicted} (predicted); open them in "
+          "ui.perfetto.dev, or draw both with alpa_torch.viz.compare_traces")
 
 
 def _as_float(value) -> float:

@@ -21,9 +21,9 @@ pyplot, no global figure state, no display needed):
   as ``traceEvents`` (ph 'X', microseconds; pid = stage, tid = device);
   ``timeline_from_trace`` draws any such trace (rows = (pid, tid), named by the 'M'
   metadata events when present); ``compare_traces`` draws a predicted and a
-  measured trace one above the other on one time axis. Measured traces need the
-  runtime to record (phase, microbatch, start, end) per worker: see
-  docs/architecture.md, "Tracing hook".
+  measured trace one above the other on one time axis; ``trace_from_events`` makes the
+  measured one from what the workers recorded (``runtime/timeline.py``,
+  ``parallelize(..., trace=True)`` and ``step.measured_trace()``).
 
 What it does not own: the plan, the schedule or the simulation (``alpa_torch.core.schedule``).
 """
@@ -91,6 +91,28 @@ def trace_from_timeline(timeline, plan: ParallelPlan | None = None, per_device: 
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"source": "alpa-torch cost model (predicted)",
                           "makespan_s": timeline.makespan_s}}
+
+
+def trace_from_events(per_rank, plan: ParallelPlan | None = None) -> dict:
+    """A Chrome/Perfetto trace of what the workers recorded in a step (``runtime/timeline.py``;
+    ``ParallelStep.measured_trace``): ``per_rank`` is (stage, rank, events) per worker, as
+    ``Engine.events`` gives it. One row (tid) per device (rank) of each stage (pid), as in
+    ``trace_from_timeline``; times from the first event of any worker."""
+    start = min((e[2] for _, _, events in per_rank for e in events), default=0)
+    end = max((e[3] for _, _, events in per_rank for e in events), default=start)
+    out: list[dict] = []
+    for k in sorted({stage for stage, _, _ in per_rank}):
+        ranks = [rank for stage, rank, _ in per_rank if stage == k]
+        devices = plan.stages[k].device_ids if plan is not None and k < len(plan.stages) else ranks
+        out.append({"ph": "M", "name": "process_name", "pid": k,
+                    "args": {"name": f"stage {k} (devices {_ranges(devices)})"}})
+    for k, rank, events in per_rank:
+        out.append({"ph": "M", "name": "thread_name", "pid": k, "tid": rank, "args": {"name": f"device {rank}"}})
+        for name, cat, t0, t1, details in events:
+            out.append({"ph": "X", "name": name, "cat": cat, "pid": k, "tid": rank, "ts": (t0 - start) / 1e3,
+                        "dur": (t1 - t0) / 1e3, "args": {"stage": k, **details}})
+    return {"traceEvents": out, "displayTimeUnit": "ms",
+            "otherData": {"source": "alpa-torch runtime (measured)", "makespan_s": (end - start) / 1e9}}
 
 
 def write_trace(trace: dict, path: str | os.PathLike[str]) -> None:

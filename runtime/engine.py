@@ -93,11 +93,13 @@ def heap_in_use_bytes() -> float | None:
 class _OneStage:
     """One stage on every device, one microbatch: the runner's whole step as one program."""
 
-    def __init__(self, runner):
-        self.runner = runner
+    def __init__(self, runner, recorder):
+        self.runner, self.recorder = runner, recorder
 
     def step(self, microbatches: list[dict], scalars: dict):
-        return self.runner.step(microbatches[0], scalars)
+        self.recorder.begin_step()
+        with self.recorder.span("step", "step"):  # forward, backward and update: one program
+            return self.runner.step(microbatches[0], scalars)
 
 
 def _install(state: dict, records_bytes: bytes, setup: dict, stage: int) -> bool:
@@ -110,6 +112,7 @@ def _install(state: dict, records_bytes: bytes, setup: dict, stage: int) -> bool
     from .comm import mesh_placement
     from .interpreter import StageRunner
     from .pipeline import PipelineRunner
+    from .timeline import StepRecorder
 
     keep_freed_memory()
     records = pickle.loads(records_bytes)
@@ -120,16 +123,26 @@ def _install(state: dict, records_bytes: bytes, setup: dict, stage: int) -> bool
                          seed=setup["seed"])
     state["runner"], state["stage"] = runner, stage
     state["first_of_stage"] = state["rank"] == setup["ranks"][stage][0]
+    state["recorder"] = recorder = StepRecorder()
     if not setup["pipelined"]:
-        state["program"] = _OneStage(runner)
+        state["program"] = _OneStage(runner, recorder)
         return True
     state["program"] = PipelineRunner(
         runner, stage, setup["programs"][stage], setup["crossings"],
         [mesh_placement(r, s) for r, s in zip(setup["ranks"], setup["shapes"])],
         [s["value_specs"] for s in setup["shardings"]], setup["value_meta"], setup["orders"][stage],
-        setup["loss_node"], setup["gather"], setup["combine"],
+        setup["loss_node"], setup["gather"], setup["combine"], recorder,
     )
     return True
+
+
+def _record(state: dict, on: bool) -> bool:
+    state["recorder"].on = on
+    return True
+
+
+def _events(state: dict) -> list:
+    return state["recorder"].events
 
 
 def _load(state: dict, sources: list, metas: dict) -> bool:
@@ -252,6 +265,15 @@ class Engine:
             own = [src.only(names) if isinstance(src, Values) else src for src in sources]
             per_rank.append((own, {n: metas[n] for n in names}))
         self.group.call_all(_load, per_rank_args=per_rank)
+
+    def record(self, on: bool = True) -> None:
+        """Record, on every worker, when each phase, transfer and wait of a step runs (``timeline.py``)."""
+        self.group.call_all(_record, on)
+
+    def events(self) -> list[tuple[int, int, list]]:
+        """(stage, rank, that worker's events of the last step) for every rank (``record``)."""
+        per_rank = self.group.call_all(_events)
+        return [(self.stage_of_rank[r], r, events) for r, events in enumerate(per_rank)]
 
     def gather_state(self) -> dict[str, np.ndarray]:
         """Full values of every stage's state (wire arrays), gathered in each stage's first device."""

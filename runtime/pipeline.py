@@ -33,6 +33,7 @@ from . import comm
 from .interpreter import StageRunner
 from .program import MARKER
 from .replay import ValueMeta, meta_of, wrap
+from .timeline import StepRecorder
 
 PHASES = ("forward", "backward", "update")
 
@@ -42,8 +43,10 @@ class PipelineRunner:
 
     def __init__(self, runner: StageRunner, stage: int, program: dict, crossings: list, meshes: list,
                  specs: list[dict], value_meta: dict, order: list[tuple[str, int]], loss_node: str,
-                 gather: list[bool] | None = None, combine: str = "mean"):
+                 gather: list[bool] | None = None, combine: str = "mean", recorder: StepRecorder | None = None):
         self.runner = runner
+        self.recorder = recorder or StepRecorder()
+        """When each phase, transfer and wait of a step ran (``timeline.py``; off unless asked)."""
         self.combine = combine
         """How microbatches add up to the batch (``stage_dp.coupling.loss_combine``): 'mean' or 'sum'."""
         self.stage = stage
@@ -57,6 +60,10 @@ class PipelineRunner:
         """Per crossing: resharded with Alpa's local all-gather in the destination mesh."""
         self._send_placements = {c.value: to_dtensor_placements(ShardingSpec.parse(self._src_spec(c)))
                                  for _, c in self.crossings if c.src == stage}
+        self._crosses = {(way, c.consumed if way == "recv" else c.produced)
+                         for _, c in self.crossings for way in ("recv", "send")
+                         if (c.dst if way == "recv" else c.src) == stage}
+        """(way, phase) pairs in which this stage receives or sends something (the recorded transfers)."""
         self._compile(program)
 
     def _compile(self, program: dict) -> None:
@@ -148,6 +155,8 @@ class PipelineRunner:
         self._partials: dict[str, torch.Tensor] = {}
         last_mb = [mb for kind, mb in self.order if kind == "B"][-1]
         r.rng.begin_step()
+        rec = self.recorder
+        rec.begin_step()
         if r.buckets is not None:
             r.buckets.begin(scale=n_mb if self.combine == "mean" else 1)
         works, losses, last = [], [], None
@@ -157,12 +166,17 @@ class PipelineRunner:
                 phase = "forward"
             else:
                 env, phase = envs.pop(mb), "backward"
-            self._receive(env, mb, phase)
+            if ("recv", phase) in self._crosses:
+                with rec.span("recv", "transfer", microbatch=mb, phase=phase):
+                    self._receive(env, mb, phase)
             r.rng.microbatch = mb
             final = mb == last_mb
-            r.run(self.programs[phase], env, None if phase == "forward" else
-                  (lambda name, value, meta, final=final: self._grad(name, value, meta, final)))
-            works += self._send(env, mb, phase)
+            with rec.span(f"{kind}{mb}", phase, microbatch=mb):
+                r.run(self.programs[phase], env, None if phase == "forward" else
+                      (lambda name, value, meta, final=final: self._grad(name, value, meta, final)))
+            if ("send", phase) in self._crosses:
+                with rec.span("send", "transfer", microbatch=mb, phase=phase):
+                    works += self._send(env, mb, phase)
             if phase == "forward" and self.loss_node is not None:
                 losses.append(float(_full(r.as_dtensor(self.loss_node, env[self.loss_node]))))
             for name in self.after[phase]:
@@ -177,12 +191,16 @@ class PipelineRunner:
         r.enter(grads)
         env.update(grads)
         self._grads = {}
-        r.run(self.programs["update"], env)
+        with rec.span("U", "update"):
+            r.run(self.programs["update"], env)
         if r.buckets is not None:
-            r.buckets.finish()
+            with rec.span("gradient buckets", "collective"):
+                r.buckets.finish()
         self._store(env, last or {})
-        for work, _ in works:
-            work.wait()
+        if works:
+            with rec.span("send wait", "transfer"):
+                for work, _ in works:
+                    work.wait()
         r.end_step()
         if not losses:
             return None

@@ -222,12 +222,18 @@ def test_plan_with_checkpointing_and_precision_options(run_main):
 
 # ------------------------------------------------------------------ train, profile, bench
 def test_train_local_cluster_checks_against_eager(tmp_path):
-    out = cli("train", "mlp", "--local", "1x2", "--steps", "3", "--check", cwd=tmp_path, timeout=400)
+    out = cli("train", "mlp", "--local", "1x2", "--steps", "3", "--check", "--trace", "step.json", cwd=tmp_path,
+              timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step 0 loss" in out.stdout and "step 2 loss" in out.stdout and "samples/s" in out.stdout
     assert "max |loss - eager loss|" in out.stdout and "(ok," in out.stdout
     quiet_lines = [ln for ln in out.stdout.splitlines() if ln.startswith("stage ")]
     assert quiet_lines, "the plan table is printed after training"
+    # --trace: the last step as measured on both devices, and the prediction beside it
+    measured = json.loads((tmp_path / "step.json").read_text())
+    assert {e["tid"] for e in measured["traceEvents"] if e["ph"] == "X"} == {0, 1}
+    assert measured["otherData"]["source"].endswith("(measured)")
+    assert json.loads((tmp_path / "step.predicted.json").read_text())["otherData"]["source"].endswith("(predicted)")
 
 
 def test_profile_writes_a_cluster_the_planner_reads(tmp_path):
