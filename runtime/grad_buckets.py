@@ -173,8 +173,17 @@ def _deferrable_with(record, axes, input_specs) -> bool:
     return all(isinstance(spec[a], Replicate) for spec in input_specs[record[1]][1:] for a in axes)
 
 
+def plain_partial(p) -> bool:
+    """``p`` is a ``Partial`` whose summands add up as they are. Not DTensor's ``_MaskPartial``
+    (the output of an embedding or a gather over a vocabulary-sharded table): the rows whose
+    index lies outside a device's shard hold garbage until the mask DTensor saved when it split
+    the indices zeroes them, which only DTensor's own reduction does (it also frees the mask;
+    an all-reduce of the raw summands is a silently wrong sum)."""
+    return type(p) is Partial
+
+
 def _is_sum(p) -> bool:
-    return isinstance(p, Partial) and p.reduce_op == "sum"
+    return plain_partial(p) and p.reduce_op == "sum"
 
 
 def deferred_wants(reductions: dict[str, GradReduction], input_specs: dict) -> dict[str, list[tuple]]:
@@ -346,7 +355,7 @@ def replicate_over_world(value: DTensor, mesh) -> DTensor | None:
     if not placements:
         return None
     ops = {p.reduce_op for p in placements if isinstance(p, Partial)}
-    if len(ops) == 1 and all(isinstance(p, Partial) for p in placements) and ops <= {"sum", "avg"}:
+    if len(ops) == 1 and all(map(plain_partial, placements)) and ops <= {"sum", "avg"}:
         out = local.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(out)
         if ops == {"avg"}:

@@ -64,6 +64,7 @@ from .grad_buckets import (
     find_reductions,
     gather_replicated,
     mesh_is_world,
+    plain_partial,
     replicate_over_world,
     shard_to_shard,
 )
@@ -313,7 +314,7 @@ class StageRunner:
         if not isinstance(loss, DTensor):
             return float(loss)
         placements = loss.placements
-        if all(p.is_replicate() or (p.is_partial() and p.reduce_op in ("sum", "avg")) for p in placements) \
+        if all(p.is_replicate() or (plain_partial(p) and p.reduce_op in ("sum", "avg")) for p in placements) \
                 and any(p.is_partial() for p in placements):
             coords = self.mesh.get_coordinate()
             counted = all(c == 0 for c, p in zip(coords, placements) if p.is_replicate())
