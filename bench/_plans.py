@@ -439,7 +439,7 @@ def _steps(engine, wl: Workload, count: int, first: int) -> tuple[list[float], l
 
 
 def run_on_workers(cluster, deploy, wl: Workload, *, warmup: int = 2, timed: int = 5, breakdown_steps: int = 0,
-                   group=None, live_steps: int = 1) -> dict:
+                   group=None, live_steps: int = 1, trace_steps: int = 0) -> dict:
     """Deploy with ``deploy(group)`` and measure (module docstring: memory protocol).
 
     Fresh workers are started (and stopped) unless ``group`` is given; memory figures
@@ -449,7 +449,9 @@ def run_on_workers(cluster, deploy, wl: Workload, *, warmup: int = 2, timed: int
     ``runtime_vs_torch``; each worker's step split into DTensor redistributions,
     pipeline send / receive-and-wait, gradient buckets and the rest), then
     ``live_steps`` with the live heap sampled after every operator (``live_mb``:
-    its peak minus the live heap when ``rss_base_mb`` was taken).
+    its peak minus the live heap when ``rss_base_mb`` was taken). With ``trace_steps``, that
+    many more steps recorded by the runtime (``Engine.record``, ``runtime/timeline.py``):
+    ``events``, the last one's (stage, rank, events) per worker.
     """
     from runtime.group import WorkerGroup
 
@@ -467,15 +469,21 @@ def run_on_workers(cluster, deploy, wl: Workload, *, warmup: int = 2, timed: int
         deploy_s = time.perf_counter() - t1
         times, losses = _steps(engine, wl, warmup + timed, 0)
         peak = group.call_all(_worker_peak)
+        events = None
+        if trace_steps:
+            engine.record(True)
+            _steps(engine, wl, trace_steps, warmup + timed)
+            events = engine.events()
+            engine.record(False)
         timers = None
         if breakdown_steps:
             group.call_all(_worker_install_timers)
-            extra, _ = _steps(engine, wl, breakdown_steps, warmup + timed)
+            extra, _ = _steps(engine, wl, breakdown_steps, warmup + timed + trace_steps)
             timers = group.call_all(_worker_read_timers)
         live = None
         if live_steps:
             group.call_all(_worker_install_live_probe)
-            _steps(engine, wl, live_steps, warmup + timed + breakdown_steps)
+            _steps(engine, wl, live_steps, warmup + timed + trace_steps + breakdown_steps)
             live = group.call_all(_worker_live_peak)
     finally:
         if own:
@@ -488,6 +496,8 @@ def run_on_workers(cluster, deploy, wl: Workload, *, warmup: int = 2, timed: int
         [p - s for p, s in zip(peak, rss_start)]
     if timers is not None:
         out["breakdown"] = _breakdown(extra, timers)
+    if events is not None:
+        out["events"] = events
     if live is not None and all(x >= 0 for x in live) and all(b["heap_mb"] >= 0 for b in base):
         out["live_mb"] = [x / _MiB - b["heap_mb"] for x, b in zip(live, base)]
     return out

@@ -61,7 +61,9 @@ peak per device against the largest worker's ``model_mb``), ``rel_err_mem_live``
 runtime's values without the allocator's kept pages), ``loss_diff`` (max
 over steps against single-device eager training: the plan ran correctly),
 ``diagnosis`` (``diagnose``: implied fixed cost per operator, measured cost per
-collective).
+collective), ``misses`` (``misses``: per stage and kind of cost, compute / update /
+transfer, the seconds measured in one step the runtime recorded, ``--trace-steps``,
+against the plan's figure; the summary's ``misses_by_kind`` has the median ratio per kind).
 A plan that fails to plan or run prints ``error`` and is left out of the statistics.
 
 ``predicted`` also carries a what-if that is NOT the planner's prediction:
@@ -269,6 +271,44 @@ def diagnose(line: dict) -> dict | None:
             "p2p_wait_s": round(max(t["p2p_recv_s"] for t in bd["per_rank"]), 4)}
 
 
+_KINDS = {"forward": "compute", "backward": "compute", "update": "update", "collective": "update",
+          "transfer": "transfer", "step": "step"}
+"""Category of a recorded event (``runtime/timeline.py``) -> the kind of cost ``misses`` compares."""
+
+
+def misses(pred: dict, events) -> list[dict]:
+    """Where the prediction misses, per stage and kind of cost, from one step the runtime recorded
+    (``events``: (stage, rank, events) per worker, ``Engine.events``). Per stage, the median
+    over its devices of the seconds measured in each kind against the plan's figure for it:
+    'compute' = the forward and backward programs of the B microbatches (operators and the
+    collectives inside them) against B x (t - x - u / B), the stage's time per microbatch
+    without its transfer and its share of the update; 'update' = the update program and the
+    wait for the gradient buckets, against u; 'transfer' = receiving (which includes waiting
+    for the other stage), posting sends and waiting for them, against B x x; a one-stage
+    step without microbatches runs as one program: 'step', against the predicted step.
+    ``ratio`` = measured / predicted."""
+    b = pred["num_microbatches"]
+    per_stage: dict[int, list[dict[str, float]]] = {}
+    for stage, _, evs in events:
+        spent: dict[str, float] = {}
+        for _, cat, t0, t1, _ in evs:
+            spent[_KINDS[cat]] = spent.get(_KINDS[cat], 0.0) + (t1 - t0) / 1e9
+        per_stage.setdefault(stage, []).append(spent)
+    out = []
+    for k, devices in sorted(per_stage.items()):
+        st = pred["stages"][k]
+        if "step" in devices[0]:
+            expected = {"step": pred["step_s"]}
+        else:
+            x, u = st.get("cross_stage_s", 0.0), st.get("update_s", 0.0)
+            expected = {"compute": b * (st["time_s"] - x - u / b), "update": u, "transfer": b * x}
+        for kind, p in expected.items():
+            m = statistics.median(d.get(kind, 0.0) for d in devices)
+            out.append({"stage": k, "kind": kind, "predicted_s": round(p, 5), "measured_s": round(m, 5),
+                        "ratio": round(m / p, 3) if p > 0 else None})
+    return out
+
+
 def run_plan(name: str, planner: Planner, wl, cluster, eager: dict, args) -> dict:
     kind, spec = CLUSTER_PLANS[args.cluster][name]
     t0 = time.perf_counter()
@@ -283,7 +323,7 @@ def run_plan(name: str, planner: Planner, wl, cluster, eager: dict, args) -> dic
     try:
         deploy = plan_deployer(plan, wl, cluster) if is_plan else sharding_deployer(wl, plan)
         res = run_on_workers(cluster, deploy, wl, warmup=args.warmup_steps, timed=args.timed_steps,
-                             breakdown_steps=args.breakdown_steps)
+                             breakdown_steps=args.breakdown_steps, trace_steps=args.trace_steps)
     except Exception as exc:  # noqa: BLE001
         line["error"] = f"running failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         return line
@@ -296,6 +336,8 @@ def run_plan(name: str, planner: Planner, wl, cluster, eager: dict, args) -> dic
     diagnosis = diagnose(line)
     if diagnosis:
         line["diagnosis"] = diagnosis
+    if res.get("events"):
+        line["misses"] = misses(line["predicted"], res["events"])
     return line
 
 
@@ -334,6 +376,14 @@ def summary(lines: list[dict], cluster, cfg: BenchConfig, t_start: float) -> dic
                       "median_rel_err_time": out["median_rel_err_time"] <= TARGETS["median_rel_err_time"],
                       "median_rel_err_mem": out["median_rel_err_mem"] <= TARGETS["median_rel_err_mem"]}
         out["max_loss_diff"] = max(ln["loss_diff"] for ln in ok)
+        ratios: dict[str, list[float]] = {}
+        for ln in ok:
+            for m in ln.get("misses", ()):
+                if m["ratio"] is not None:
+                    ratios.setdefault(m["kind"], []).append(m["ratio"])
+        if ratios:  # ``misses``: measured / predicted per kind of cost, median and range over plans and stages
+            out["misses_by_kind"] = {k: {"median": round(statistics.median(v), 3), "min": min(v), "max": max(v),
+                                         "stages": len(v)} for k, v in sorted(ratios.items())}
         diag = [ln["diagnosis"] for ln in ok if "diagnosis" in ln]
         if diag:
             out["median_implied_op_overhead_us"] = statistics.median(d["implied_op_overhead_us"] for d in diag)
@@ -356,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-steps", type=int, default=2)
     ap.add_argument("--timed-steps", type=int, default=5)
     ap.add_argument("--breakdown-steps", type=int, default=2, help="extra instrumented steps (0: none)")
+    ap.add_argument("--trace-steps", type=int, default=1,
+                    help="extra steps the runtime records, for the misses per stage and kind (0: none)")
     args = parse_measuring_args(ap, argv)
     table = CLUSTER_PLANS[args.cluster]
     names = select(ap, args.plans or ",".join(table), table, "plan")
