@@ -114,11 +114,11 @@ class ParallelStep(ResilientStep):
         self.tuning: list[dict] = []
         """The candidates of measured plan selection (``alpa_torch.tune.Candidate.to_dict``), in order."""
         self.init_fn, self.weights = init_fn, weights
+        """How a model built on the meta device gets its values (``alpa_torch.initial_state``)."""
         if not isinstance(trace, bool):
             raise TypeError(f"parallelize: trace={trace!r} must be True or False")
         self.trace = trace
         """Record what every worker does in each step (``measured_trace``)."""
-        """How a model built on the meta device gets its values (``alpa_torch.initial_state``)."""
         self.progress = progress
         self.plan_cache = PlanCache.from_option(plan_cache)
         self._layout: BatchLayout | None = None
