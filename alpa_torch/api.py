@@ -331,7 +331,7 @@ class ParallelStep(ResilientStep):
     def measured_trace(self, path: str | os.PathLike[str] | None = None) -> dict:
         """What every worker did in the last step, when: a Chrome/Perfetto trace (``viz.trace_from_events``;
         needs ``parallelize(..., trace=True)``), also written to ``path`` if given. Beside the
-        predicted one (``viz.trace_from_timeline(viz.predicted_timeline(step.plan), step.plan)``),
+        predicted one (``viz.predicted_trace(step.plan)``),
         ``viz.compare_traces`` draws both."""
         if not self.trace:
             raise RuntimeError("this step does not record its runs: create it with parallelize(..., trace=True)")

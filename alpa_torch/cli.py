@@ -326,7 +326,7 @@ def _write_outputs(args, plan) -> None:
         viz.plan_figure(plan, args.png)
         _note(args, f"wrote {args.png}")
     if getattr(args, "trace", None):
-        viz.write_trace(viz.trace_from_timeline(viz.predicted_timeline(plan), plan), args.trace)
+        viz.write_trace(viz.predicted_trace(plan), args.trace)
         _note(args, f"wrote {args.trace} (predicted timeline; open in ui.perfetto.dev)")
 
 
@@ -443,7 +443,7 @@ def _write_traces(args, step) -> None:
 
     step.measured_trace(args.trace)
     predicted = str(Path(args.trace).with_suffix(".predicted.json"))
-    viz.write_trace(viz.trace_from_timeline(viz.predicted_timeline(step.plan), step.plan), predicted)
+    viz.write_trace(viz.predicted_trace(step.plan), predicted)
     _note(args, f"wrote {args.trace} (measured, last step) and {predicted} (predicted); open them in "
           "ui.perfetto.dev, or draw both with alpa_torch.viz.compare_traces")
 

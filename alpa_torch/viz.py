@@ -93,6 +93,11 @@ def trace_from_timeline(timeline, plan: ParallelPlan | None = None, per_device: 
                           "makespan_s": timeline.makespan_s}}
 
 
+def predicted_trace(plan: ParallelPlan) -> dict:
+    """The cost model's step of ``plan`` as a trace: ``trace_from_timeline(predicted_timeline(plan), plan)``."""
+    return trace_from_timeline(predicted_timeline(plan), plan)
+
+
 def trace_from_events(per_rank, plan: ParallelPlan | None = None) -> dict:
     """A Chrome/Perfetto trace of what the workers recorded in a step (``runtime/timeline.py``;
     ``ParallelStep.measured_trace``): ``per_rank`` is (stage, rank, events) per worker, as

@@ -42,7 +42,7 @@ def test_a_pipelined_step_records_each_phase_once_in_an_order_the_pipeline_allow
             expected = train_step(eager, eager_opt, batch)
             assert torch.allclose(step(model, opt, batch), expected.detach(), atol=1e-6)
         trace = step.measured_trace()
-        predicted = viz.trace_from_timeline(viz.predicted_timeline(step.plan), step.plan)
+        predicted = viz.predicted_trace(step.plan)
     finally:
         step.shutdown()
 

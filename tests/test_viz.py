@@ -86,7 +86,7 @@ def test_foreign_trace_and_side_by_side(plan, tmp_path):
     (tmp_path / "measured.json").write_text(json.dumps(measured))
     viz.timeline_from_trace(tmp_path / "measured.json", tmp_path / "measured.png", title="measured")
     check_png(tmp_path / "measured.png")
-    predicted = viz.trace_from_timeline(viz.predicted_timeline(plan), plan)
+    predicted = viz.predicted_trace(plan)
     fig = viz.compare_traces(predicted, tmp_path / "measured.json", tmp_path / "both.png")
     check_png(tmp_path / "both.png")
     assert len(fig.axes) == 2
