@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .bench_command import bench_help, cmd_bench
 from .workloads import (  # noqa: F401 - re-exported for users of alpa_torch.cli
     GPT3_SIZES,
     HF_FAMILIES,
@@ -234,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.set_defaults(func="profile", use_ray=True)
 
-    p = sub.add_parser("bench", help="run a benchmark script from bench/", description=_bench_help(),
+    p = sub.add_parser("bench", help="run a benchmark script from bench/", description=bench_help(),
                        formatter_class=fmt)
     p.add_argument("name", metavar="NAME", nargs="?", help="benchmark (a bench/NAME.py script)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed on to the script")
@@ -498,38 +499,6 @@ def _sizes(text: str) -> tuple[int, ...]:
     if len(set(out)) < 2 or min(out) < 4:
         raise UsageError(f"--sizes {text!r}: give at least 2 distinct sizes of >= 4 bytes")
     return tuple(out)
-
-
-def _bench_scripts() -> dict[str, Path]:
-    """The scripts of ``bench/``: a source checkout's (the current directory's, else the one an
-    editable install points to). A wheel does not install them."""
-    folder = next((f for f in (Path.cwd() / "bench", REPO_ROOT / "bench") if (f / "_common.py").is_file()), None)
-    return {p.stem: p for p in sorted(folder.glob("*.py")) if not p.name.startswith("_")} if folder else {}
-
-
-def _bench_help() -> str:
-    import ast
-
-    lines = ["Run a benchmark script from bench/ (its arguments follow NAME; `alpa-torch bench NAME --help`",
-             "shows them). Each prints one JSON line per case.", "", "benchmarks:"]
-    for name, path in _bench_scripts().items():
-        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-        lines.append(f"  {name:20s} {doc.splitlines()[0] if doc else ''}")
-    return "\n".join(lines)
-
-
-def cmd_bench(args) -> int:
-    import subprocess
-
-    scripts = _bench_scripts()
-    if args.list or not args.name:
-        print(_bench_help())
-        return 0
-    if args.name not in scripts:
-        raise UsageError(f"unknown benchmark {args.name!r}: use one of {', '.join(scripts)}" if scripts else
-                         "the benchmarks are not installed with the package: run alpa-torch bench from a source "
-                         "checkout of alpa-torch (its bench/ folder)")
-    return subprocess.call([sys.executable, str(scripts[args.name]), *args.args])
 
 
 _COMMANDS = {"plan": cmd_plan, "explain": cmd_explain, "train": cmd_train, "profile": cmd_profile,
