@@ -75,11 +75,10 @@ def trace_from_timeline(timeline, plan: ParallelPlan | None = None, per_device: 
     for k, stage_events in enumerate(timeline.events):
         devices = plan.stages[k].device_ids if plan is not None else (k,)
         where = f"devices {_ranges(devices)}" if plan is not None else f"stage {k}"
-        events.append({"ph": "M", "name": "process_name", "pid": k,
-                       "args": {"name": f"stage {k}" + (f" ({where})" if plan else "")}})
+        events.append(_name_event("process", k, _stage_name(k, devices) if plan else f"stage {k}"))
         rows = {d: f"device {d}" for d in devices} if per_device and plan is not None else {devices[0]: where}
         for d, row in rows.items():
-            events.append({"ph": "M", "name": "thread_name", "pid": k, "tid": d, "args": {"name": row}})
+            events.append(_name_event("thread", k, row, tid=d))
             for e in stage_events:
                 kind = e.instruction.kind
                 if kind not in cats:
@@ -88,9 +87,7 @@ def trace_from_timeline(timeline, plan: ParallelPlan | None = None, per_device: 
                 events.append({"ph": "X", "name": kind.value + ("" if mb is None else str(mb)), "cat": cats[kind],
                                "pid": k, "tid": d, "ts": e.start_s * 1e6, "dur": (e.end_s - e.start_s) * 1e6,
                                "args": {"stage": k, "microbatch": mb}})
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"source": "alpa-torch cost model (predicted)",
-                          "makespan_s": timeline.makespan_s}}
+    return _trace(events, "alpa-torch cost model (predicted)", timeline.makespan_s)
 
 
 def predicted_trace(plan: ParallelPlan) -> dict:
@@ -109,15 +106,30 @@ def trace_from_events(per_rank, plan: ParallelPlan | None = None) -> dict:
     for k in sorted({stage for stage, _, _ in per_rank}):
         ranks = [rank for stage, rank, _ in per_rank if stage == k]
         devices = plan.stages[k].device_ids if plan is not None and k < len(plan.stages) else ranks
-        out.append({"ph": "M", "name": "process_name", "pid": k,
-                    "args": {"name": f"stage {k} (devices {_ranges(devices)})"}})
+        out.append(_name_event("process", k, _stage_name(k, devices)))
     for k, rank, events in per_rank:
-        out.append({"ph": "M", "name": "thread_name", "pid": k, "tid": rank, "args": {"name": f"device {rank}"}})
+        out.append(_name_event("thread", k, f"device {rank}", tid=rank))
         for name, cat, t0, t1, details in events:
             out.append({"ph": "X", "name": name, "cat": cat, "pid": k, "tid": rank, "ts": (t0 - start) / 1e3,
                         "dur": (t1 - t0) / 1e3, "args": {"stage": k, **details}})
-    return {"traceEvents": out, "displayTimeUnit": "ms",
-            "otherData": {"source": "alpa-torch runtime (measured)", "makespan_s": (end - start) / 1e9}}
+    return _trace(out, "alpa-torch runtime (measured)", (end - start) / 1e9)
+
+
+def _stage_name(k: int, devices) -> str:
+    return f"stage {k} (devices {_ranges(devices)})"
+
+
+def _name_event(kind: str, pid, name: str, tid=None) -> dict:
+    """A metadata event naming a process (``kind`` 'process': a stage) or a thread ('thread': a row)."""
+    out = {"ph": "M", "name": f"{kind}_name", "pid": pid}
+    if tid is not None:
+        out["tid"] = tid
+    return {**out, "args": {"name": name}}
+
+
+def _trace(events: list[dict], source: str, makespan_s: float) -> dict:
+    """A Chrome/Perfetto trace dict of ``events``, times in microseconds, shown in ms."""
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"source": source, "makespan_s": makespan_s}}
 
 
 def write_trace(trace: dict, path: str | os.PathLike[str]) -> None:
