@@ -61,8 +61,8 @@ from runtime.wire import from_wire, to_wire_dict
 from stage_dp.coupling import loss_combine
 from stage_dp.planner import check_plan
 
+from . import calibration, viz
 from . import tune as tuner
-from . import viz
 from .batch import BatchLayout, check_indices, index_rules
 from .capture import capture, check_precision
 from .initial_state import checkpoint_source, give_storage, model_sources
@@ -186,11 +186,16 @@ class ParallelStep(ResilientStep):
             self.plan, self.plan_source = choice, "measured (cache)"
             self.tuning = choice.options.get("tuning", [])
         else:
-            self.plan, self.plan_source = cached_plan(self.plan_cache, self.graph, self.cluster, options,
+            self.plan, self.plan_source = cached_plan(self.plan_cache, self.graph, self._planning_cluster(), options,
                                                       self.progress)
         check_plan(self.graph, self.plan)
         log.info("plan (%s):\n%s", self.plan_source, self.plan.table())
         return self.plan
+
+    def _planning_cluster(self) -> Cluster:
+        """The cluster the planner prices: with measured plan selection, the step's cluster with the
+        cost corrections earlier runs measured on it (``alpa_torch.calibration``)."""
+        return calibration.load(self.plan_cache, self.cluster) if self.tune else self.cluster
 
     def _capture(self, model, optimizer, batch):
         """The step's graph, the batch's layout and the index rules: floats of the batch as data
@@ -258,17 +263,29 @@ class ParallelStep(ResilientStep):
         """Measured plan selection (``alpa_torch.tune``): run the candidates the cost model cannot
         tell apart on the workers, keep the fastest, load the initial state (``sources``) into it."""
         t0 = time.perf_counter()
-        cands = tuner.candidates(self.plan, self.graph, self.cluster, self.options, self.plan_cache, self.progress)
+        cands = tuner.candidates(self.plan, self.graph, self._planning_cluster(), self.options, self.plan_cache,
+                                 self.progress)
         if len(cands) == 1:
             return
         scalars = self._functional.host_scalars(self._step + 1)
         leaves = self._batch_leaves(batch)
+
+        def observe(plan: ParallelPlan) -> list[dict]:  # one more step, recorded
+            self.engine.record(True)
+            self.engine.step(leaves, scalars)
+            observations = calibration.observe(plan, self.engine.events())
+            self.engine.record(self.trace)
+            return observations
+
         kept = tuner.select(cands, lambda plan: self._use(plan, model, optimizer, batch, sources),
-                            lambda: self.engine.step(leaves, scalars))
+                            lambda: self.engine.step(leaves, scalars), observe)
         tuner.store_choice(self.plan_cache, self.graph, self.cluster, self.options, cands, kept)
+        corrections = calibration.fit([ob for c in cands for ob in c.observations])
+        calibration.store(self.plan_cache, self.cluster, corrections)
         self.tuning = kept.plan.options["tuning"]
         self.plan_source = f"measured ({self.plan_source})"
-        text = tuner.report(self.tuning)
+        text = tuner.report(self.tuning) + (f"\n  measured cost corrections (measured / predicted), stored for "
+                                            f"this cluster: {corrections}" if corrections else "")
         log.info("%s\n(%.1f s)", text, time.perf_counter() - t0)
         if self.progress is not None:
             self.progress(text)

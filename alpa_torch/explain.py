@@ -220,6 +220,9 @@ def explain(plan: ParallelPlan, top: int = 8) -> str:
     lines += ["", *_runner_ups(plan, top)]
     if plan.options.get("tuning"):  # measured plan selection kept this plan
         lines += ["", report(plan.options["tuning"])]
+    if plan.cluster.get("cost_correction"):
+        lines += ["", "Priced with measured cost corrections (measured / predicted, per kind of cost and submesh; "
+                  f"alpa_torch.calibration): {plan.cluster['cost_correction']}"]
     stats = {k: plan.options[k] for k in ("plan_s", "num_ilps", "ilp_s", "dp_tmax_evaluated", "layering")
              if k in plan.options}
     if stats:

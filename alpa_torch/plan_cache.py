@@ -19,6 +19,8 @@ entry only if it parses, its fields equal the ones asked for, and the plan
 validates against the graph and cluster; anything else is logged and treated
 as a miss, and the caller's ``put`` overwrites it. Writes
 go to a temporary file renamed over the entry, so readers never see half a file.
+``put_data`` / ``get_data`` keep plain JSON data beside the plans under key fields of
+their own (``alpa_torch.calibration``: a cluster's measured cost corrections).
 
 Root: ``plan_cache=<path>``, else ``$ALPA_TORCH_CACHE``, else ``~/.cache/alpa_torch/plans``;
 ``plan_cache=False`` disables the cache.
@@ -50,6 +52,8 @@ CACHE_VERSION = 9  # 2: tied weights in one stage; 3: activation checkpointing; 
 # 7: a stack of repeated blocks is cut between whole blocks; 8: regular cuts of such stacks preferred;
 # 9: views of a weight's cast copy keep its layout (autocast plans)
 ENTRY_FORMAT = "alpa-torch-plan-cache"
+DATA_FORMAT = "alpa-torch-cache-data"
+"""An entry holding JSON data beside the plans (``put_data``: a cluster's measured cost corrections)."""
 ENV_VAR = "ALPA_TORCH_CACHE"
 PLANNER_LOGGERS = ("intra_ilp", "stage_dp")
 TIMING_KEYS = frozenset({"plan_s", "ilp_s", "build_s", "solve_s"})
@@ -137,8 +141,30 @@ class PlanCache:
     def put(self, fields: dict[str, Any], plan: ParallelPlan, warnings: list | None = None) -> Path | None:
         """Store ``plan`` (and the planner's ``warnings``) under ``fields`` (atomic replace);
         None if the cache is not writable."""
+        return self._write(fields, {"format": ENTRY_FORMAT, "fields": fields, "plan": plan.to_dict(),
+                                    "warnings": warnings or []})
+
+    def get_data(self, fields: dict[str, Any]) -> dict | None:
+        """The JSON dict ``put_data`` stored under ``fields``, or None (none, or a damaged entry: logged)."""
         path = self.path(cache_key(fields))
-        entry = {"format": ENTRY_FORMAT, "fields": fields, "plan": plan.to_dict(), "warnings": warnings or []}
+        if not path.is_file():
+            return None
+        try:
+            entry = json.loads(path.read_text())
+            if not isinstance(entry, dict) or entry.get("format") != DATA_FORMAT or entry.get("fields") != fields \
+                    or not isinstance(entry.get("data"), dict):
+                raise ValueError(f"not a {DATA_FORMAT} entry for these key fields")
+        except Exception as exc:  # noqa: BLE001 - any defect means: do not use it
+            log.warning("ignoring cache entry %s (%s)", path, exc)
+            return None
+        return entry["data"]
+
+    def put_data(self, fields: dict[str, Any], data: dict) -> Path | None:
+        """Store a JSON dict under ``fields`` (atomic replace); None if the cache is not writable."""
+        return self._write(fields, {"format": DATA_FORMAT, "fields": fields, "data": data})
+
+    def _write(self, fields: dict[str, Any], entry: dict) -> Path | None:
+        path = self.path(cache_key(fields))
         tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex}")
         try:
             self.root.mkdir(parents=True, exist_ok=True)

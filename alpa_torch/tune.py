@@ -16,6 +16,10 @@ faster. So ``parallelize`` (``tune=True``, the default) treats its prediction as
   (``select``, called by ``ParallelStep._tune``): deployed on the step's workers, loaded with the initial state,
   run ``STEPS`` steps on the first batch with the results thrown away, timed from step
   ``SKIP`` + 1 on (the first step runs through DTensor, the second records the replay);
+  one more step is recorded, per stage and kind of cost (``alpa_torch.calibration``),
+  and the corrections those records give are stored for the cluster, so later plannings on it
+  price stages at the measured rates; planned with such corrections, the candidates are
+  measured within ``CALIBRATED_MARGIN`` only;
 - the fastest measured is kept, the initial state loaded into it, and training starts.
   The choice and its measurements are stored in the plan cache beside the searched plan
   (``tuned_fields``), so the next run of this step on this cluster takes it at once.
@@ -47,11 +51,13 @@ log = logging.getLogger(__name__)
 
 MARGIN = 2.0
 """A candidate predicted slower than ``MARGIN`` x the fastest prediction is not measured."""
+CALIBRATED_MARGIN = 1.25
+"""``MARGIN`` for candidates planned with measured cost corrections (``Cluster.cost_correction``)."""
 STEPS = 4
 """Trial steps per measured candidate."""
 SKIP = 2
 """Trial steps not timed (DTensor's first run, the replay's recording)."""
-TUNE_VERSION = 2
+TUNE_VERSION = 3
 """Part of the cache key of a measured choice: a change of the rules above misses."""
 ENV_VAR = "ALPA_TORCH_TUNE"
 """``ALPA_TORCH_TUNE=0``: the default of ``tune`` is False (the test suite runs so; see tests/conftest.py)."""
@@ -77,6 +83,8 @@ class Candidate:
     """Median step time of the timed trial steps; None: not measured."""
     note: str = ""
     """Why it was not measured, or why it was kept."""
+    observations: list[dict] = dataclasses.field(default_factory=list)
+    """Its recorded trial step against its prediction (``calibration.observe``); empty: not measured."""
 
     def to_dict(self, kept: bool) -> dict:
         return {"label": self.label, "plan": self.plan.summary(), "predicted_s": self.plan.predicted_step_s,
@@ -128,12 +136,17 @@ def candidates(searched: ParallelPlan, graph: OpGraph, cluster: Cluster, options
     return out
 
 
+def margin(cands: list[Candidate]) -> float:
+    """``CALIBRATED_MARGIN`` if the candidates were planned with measured cost corrections, else ``MARGIN``."""
+    return CALIBRATED_MARGIN if cands[0].plan.cluster.get("cost_correction") else MARGIN
+
+
 def to_measure(cands: list[Candidate]) -> list[Candidate]:
-    """The candidates predicted within ``MARGIN`` of the fastest prediction; the others get a note."""
-    fastest = min(c.plan.predicted_step_s for c in cands)
+    """The candidates predicted within ``margin`` of the fastest prediction; the others get a note."""
+    fastest, limit = min(c.plan.predicted_step_s for c in cands), margin(cands)
     chosen = []
     for c in cands:
-        if c.plan.predicted_step_s <= MARGIN * fastest:
+        if c.plan.predicted_step_s <= limit * fastest:
             chosen.append(c)
         else:
             c.note = f"predicted {c.plan.predicted_step_s / fastest:.1f}x the fastest prediction: not measured"
@@ -148,16 +161,18 @@ def keep(cands: list[Candidate]) -> Candidate:
     return best
 
 
-def select(cands: list[Candidate], use: Callable[[ParallelPlan], None], step: Callable[[], object]) -> Candidate:
+def select(cands: list[Candidate], use: Callable[[ParallelPlan], None], step: Callable[[], object],
+           observe: Callable[[ParallelPlan], list[dict]]) -> Candidate:
     """The candidate to keep, measured where the predictions are close (module docstring).
 
     ``cands[0]`` is deployed with the initial state; ``use(plan)`` deploys a plan on the workers and
-    loads the initial state into it; ``step()`` runs one trial step. On return the kept plan is
-    deployed with the initial state."""
+    loads the initial state into it; ``step()`` runs one trial step; ``observe(plan)`` runs one more,
+    recorded, and returns ``calibration.observe``'s records of it. On return the
+    kept plan is deployed with the initial state."""
     trials = to_measure(cands)
     if len(trials) == 1:  # the cost model tells them apart: nothing to measure
         kept = trials[0]
-        kept.note = f"the only candidate predicted within {MARGIN:g}x of the fastest"
+        kept.note = f"the only candidate predicted within {margin(cands):g}x of the fastest"
         if kept is not cands[0]:
             use(kept.plan)
         return kept
@@ -172,6 +187,7 @@ def select(cands: list[Candidate], use: Callable[[ParallelPlan], None], step: Ca
             step()
             times.append(time.perf_counter() - t)
         c.measured_s = statistics.median(times[SKIP:])
+        c.observations = observe(c.plan)
     kept = keep(cands)
     use(kept.plan)  # the trial steps changed the state: load it again
     return kept
@@ -215,5 +231,6 @@ def _decisions(plan: ParallelPlan) -> str:
     return json.dumps(d, sort_keys=True)
 
 
-__all__ = ["ENV_VAR", "MARGIN", "SKIP", "STEPS", "Candidate", "cached_choice", "candidates", "enabled",
-           "fewer_microbatches", "keep", "report", "select", "store_choice", "to_measure", "tuned_fields", "variants"]
+__all__ = ["CALIBRATED_MARGIN", "ENV_VAR", "MARGIN", "SKIP", "STEPS", "Candidate", "cached_choice", "candidates",
+           "enabled", "fewer_microbatches", "keep", "margin", "report", "select", "store_choice", "to_measure",
+           "tuned_fields", "variants"]

@@ -28,6 +28,11 @@ DP's t in Alpa eq. 2, ``T = Σ_k t_k + (B-1) max_k t_k``)::
             the inter-host link when the cluster has several hosts (placement
             is unknown inside the DP), else the intra-host link
 
+A cluster calibrated by measured steps (``Cluster.cost_correction``) scales, per
+submesh, fb_ij and f_ij by its 'compute' factor, upd_ij by its 'update' factor and
+x_i by its 'transfer' factor (``Cluster.correction``): the intra-op ILP's choices
+are unchanged, the stage DP compares the stages at their measured rates.
+
 Memory per device (the DP's feasibility rule): persistent + k · activation / B with k microbatches in
 flight; 1F1B: k = n_succ + 1, so ``max_n_succ_stages`` = floor((M - p) / a) - 1
 (-1 when even k = 1 does not fit; unlimited when k >= B fit, since at most
@@ -60,7 +65,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from alpa_torch.core.cluster import Cluster, GiB
+from alpa_torch.core.cluster import COST_KINDS, Cluster, GiB
 from alpa_torch.core.errors import BatchSplitError, InfeasibleMemoryError, PlanError
 from alpa_torch.core.graph import OpGraph
 from alpa_torch.core.options import PlanOptions
@@ -135,17 +140,19 @@ def build_tables(model: StageCostModel, columns, num_microbatches: int, budget_b
     upper = np.triu(np.ones((num_layers, num_layers), dtype=bool))
     sizes = np.array([n * m for n, m in model.submeshes], dtype=np.int64)
     for s, cols in enumerate(columns):
-        cross = np.where(np.arange(num_layers) > 0,
-                         2 * (link.alpha_s + link.beta_s_per_byte * boundary / (b * sizes[s])), 0.0)
+        f_fb, f_up, f_x = (cl.correction(kind, model.submeshes[s]) for kind in COST_KINDS)
+        cross = f_x * np.where(np.arange(num_layers) > 0,
+                               2 * (link.alpha_s + link.beta_s_per_byte * boundary / (b * sizes[s])), 0.0)
         for c, cfg in enumerate(cols):
             rc = model.range_costs(dataclasses.replace(cfg, recompute=False), activation_scale)
-            upd = rc.compute_update_s + rc.comm_update_s
+            upd = f_up * (rc.compute_update_s + rc.comm_update_s)
             fixed = rc.overhead_fb_s + rc.latency_fb_s  # paid in full by every microbatch
-            t = (rc.compute_fb_s + rc.comm_fb_s - fixed + upd) / b + fixed + cross[:, None]
-            compute = (rc.compute_fb_s - rc.overhead_fb_s + rc.compute_update_s) / b + rc.overhead_fb_s
+            t = (f_fb * (rc.compute_fb_s + rc.comm_fb_s - fixed) + upd) / b + f_fb * fixed + cross[:, None]
+            compute = (f_fb * (rc.compute_fb_s - rc.overhead_fb_s) + f_up * rc.compute_update_s) / b \
+                + f_fb * rc.overhead_fb_s
             pers, act = rc.persistent_bytes, rc.activation_bytes / b
             if cfg.recompute:  # every layer recomputed (``checkpointing.py``)
-                t, compute = t + rc.recompute_s / b, compute + rc.recompute_s / b
+                t, compute = t + f_fb * rc.recompute_s / b, compute + f_fb * rc.recompute_s / b
                 pers, act = pers + np.maximum(rc.remat_peak_bytes, 0.0) / b, rc.kept_bytes / b
             for key, val in (("cost", t), ("compute", compute),
                              ("cross", np.broadcast_to(cross[:, None], t.shape)), ("update", upd),
@@ -549,6 +556,7 @@ def build_plan(graph, model: StageCostModel, tables: StageTables, stages, schedu
         if cfg.recompute:
             recompute, extra_s, pers, act, memory = _choose_recompute(
                 model, base, i, j, b, in_flight, budget, scale, full=options.get("checkpointing") == "full")
+            extra_s *= model.cluster.correction("compute", model.submeshes[s])
             t, comp = t + extra_s, comp + extra_s
         out.append(StagePlan(
             index=k, layer_start=i, layer_end=j, submesh=tuple(model.submeshes[s]), device_ids=devices[k],

@@ -8,10 +8,11 @@ import dataclasses
 import pytest
 import torch
 
-from alpa_torch import Cluster, parallelize
+from alpa_torch import Cluster, calibration, parallelize
 from alpa_torch import tune as tuner
 from alpa_torch.core.errors import PlanError
 from alpa_torch.core.options import PlanOptions
+from alpa_torch.plan_cache import PlanCache
 from alpa_torch.zoo import ZOO, make_batch, make_optimizer, train_step
 
 
@@ -68,9 +69,10 @@ def test_select_measures_each_close_candidate_and_leaves_the_kept_one_deployed(m
     deployed, speed = [plans[0]], {id(plans[0]): 2.0, id(plans[1]): 1.0}
     clock = iter(range(1000))
     monkeypatch.setattr(tuner.time, "perf_counter", lambda: next(clock) * speed[id(deployed[-1])])
-    kept = tuner.select(cands, deployed.append, lambda: None)
+    kept = tuner.select(cands, deployed.append, lambda: None, lambda p: [{"plan": p}])
     assert kept is cands[1] and cands[2].measured_s is None
     assert cands[0].measured_s == 2.0 and cands[1].measured_s == 1.0
+    assert [c.observations for c in cands] == [[{"plan": plans[0]}], [{"plan": plans[1]}], []]
     assert deployed == [plans[0], plans[1], plans[1]]  # measured, then loaded again with the initial state
 
 
@@ -119,6 +121,9 @@ def test_tuned_step_trains_as_eager_and_its_choice_is_cached(tmp_path):
     assert len(tuning) >= 2 and sum(t["measured_s"] is not None for t in tuning) >= 2, tuning
     assert any("measured plan selection" in m for m in messages)
     assert step.plan_source.startswith("measured")
+    stored = calibration.load(PlanCache(tmp_path), Cluster.local(1, 2)).cost_correction
+    assert stored and set(stored) <= {"compute", "update", "transfer"}, stored
+    assert any("measured cost corrections" in m for m in messages)
 
     again = parallelize(train_step, Cluster.local(1, 2), tune=True, plan_cache=str(tmp_path))
     model2, _ = ZOO["gpt"]()
@@ -128,3 +133,11 @@ def test_tuned_step_trains_as_eager_and_its_choice_is_cached(tmp_path):
         assert again.tuning == tuning
     finally:
         again.shutdown()
+
+    other = parallelize(train_step, Cluster.local(1, 2), tune=True, plan_cache=str(tmp_path), num_microbatches=2)
+    model3, _ = ZOO["gpt"]()
+    try:  # another step on this cluster is planned at the measured rates
+        other.make_plan(model3, make_optimizer("adamw", model3), make_batch("gpt", 8, seed=0))
+        assert other.plan.cluster["cost_correction"] == stored
+    finally:
+        other.shutdown()

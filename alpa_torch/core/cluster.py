@@ -71,6 +71,23 @@ def _canonical_collective(key: object) -> str:
     return name
 
 
+COST_KINDS = ("compute", "update", "transfer")
+"""The kinds of cost ``Cluster.cost_correction`` corrects: a stage's forward and backward
+programs (with the collectives inside them), its update (the optimizer step and the wait
+for gradient reductions), and its cross-stage sends and receives."""
+
+
+def submesh_key(submesh: Shape) -> str:
+    """How ``cost_correction`` names a submesh: (2, 4) -> '2x4'."""
+    return f"{submesh[0]}x{submesh[1]}"
+
+
+def _key_size(key: object) -> int:
+    """Devices of a submesh named ``key`` ('2x4' -> 8); 0 if ``key`` names none."""
+    match = re.fullmatch(r"([1-9][0-9]*)x([1-9][0-9]*)", key) if isinstance(key, str) else None
+    return int(match[1]) * int(match[2]) if match else 0
+
+
 def _host_memory_bytes() -> int:
     """Physical RAM of this machine (16 GiB if the OS will not say)."""
     try:
@@ -288,6 +305,10 @@ class Cluster:
     profiled: dict[str, Any] = field(default_factory=dict, hash=False)
     """Empty, or what ``profile`` measured and fitted (date, sizes, raw timings, per-collective
     alpha/beta): plain JSON data, kept so a person can check the calibration."""
+    cost_correction: dict[str, dict[str, float]] = field(default_factory=dict, hash=False)
+    """Measured over predicted time per kind of cost (``COST_KINDS``) and submesh
+    (``submesh_key``: '2x2'), learnt from steps the runtime recorded (``alpa_torch.calibration``);
+    the stage DP multiplies a stage's figures by them (``correction``). Empty: the cost model alone."""
 
     def __post_init__(self) -> None:
         _check_count("Cluster", "num_hosts", self.num_hosts, "give the number of machines, at least 1")
@@ -332,6 +353,36 @@ class Cluster:
             _fail("Cluster", "profiled", self.profiled, "must survive a JSON round trip unchanged",
                   "use str keys and lists, not int keys or tuples")
         object.__setattr__(self, "profiled", plain)
+        if not isinstance(self.cost_correction, Mapping):
+            _fail("Cluster", "cost_correction", self.cost_correction, "must be a dict",
+                  "leave it to alpa_torch.calibration, or give {'compute': {'1x2': 0.8}, ...}")
+        corrections = {}
+        for kind, table in self.cost_correction.items():
+            if kind not in COST_KINDS or not isinstance(table, Mapping):
+                _fail("Cluster", "cost_correction", {kind: table}, f"keys must be one of {COST_KINDS}, each "
+                      "mapping submeshes to factors", "give {'compute': {'1x2': 0.8}, ...}")
+            for key, value in table.items():
+                if not _key_size(key):
+                    _fail("Cluster", f"cost_correction[{kind!r}]", key, "keys must name a submesh like '2x4'",
+                          "write hosts x devices, e.g. '1x2'")
+                _check_positive("Cluster", f"cost_correction[{kind!r}][{key!r}]", value,
+                                "give the measured over the predicted time")
+            corrections[kind] = {key: float(value) for key, value in sorted(table.items())}
+        object.__setattr__(self, "cost_correction", corrections)
+
+    def correction(self, kind: str, submesh: Shape) -> float:
+        """The factor ``cost_correction`` gives a cost of ``kind`` on a stage of ``submesh``: its
+        own, else that of the measured submesh nearest in device count (on a log scale; the
+        larger on a tie), else 1.0 (nothing of that kind measured)."""
+        table = self.cost_correction.get(kind)
+        if not table:
+            return 1.0
+        key = submesh_key(submesh)
+        if key in table:
+            return table[key]
+        size = math.log(submesh[0] * submesh[1])
+        nearest = min(table, key=lambda k: (abs(math.log(_key_size(k)) - size), -_key_size(k), k))
+        return table[nearest]
 
     def beta_scale(self, collective: str) -> float:
         """``collective_beta_scale`` for ``collective`` (any spelling of a name in ``COLLECTIVES``), 1.0 if unset."""
@@ -390,7 +441,7 @@ class Cluster:
         if unknown or missing:
             raise ClusterSpecError(f"cluster description has unknown keys {unknown} and lacks keys {missing}. "
                                    f"Fix: use the keys {allowed} (backend, threads_per_device, is_local, "
-                                   "collective_beta_scale, profiled optional).")
+                                   "collective_beta_scale, profiled, cost_correction optional).")
         kwargs = dict(d)
         kwargs["device"] = _build(DeviceSpec, "device", d["device"], DEVICE_SPECS)
         kwargs["intra_host_link"] = _build(LinkSpec, "link", d["intra_host_link"], LINK_SPECS)
