@@ -8,6 +8,8 @@ Usage (from the repository root; 8-15 minutes on a shared 2-core machine, depend
     python bench/fidelity.py --plans auto,mesh_4x1,pp2_b4_1f1b --timed-steps 7
     python bench/fidelity.py --reprofile        # measure the cluster again instead of the cached JSON
     python bench/fidelity.py --cluster 1x2      # 2 devices on the 2 cores: the same test without oversubscription
+    python bench/fidelity.py --fit-calibration /tmp/cal_2x2.json        # run, and fit corrections from its steps
+    python bench/fidelity.py --calibration /tmp/cal_2x2.json            # then: after one measured calibration
 
 ``profile_cluster(Cluster.local(2, 2))`` is measured once (matmul FLOP/s, memory
 bandwidth, per-collective alpha/beta on the intra- and inter-"host" groups) and
@@ -63,7 +65,15 @@ over steps against single-device eager training: the plan ran correctly),
 ``diagnosis`` (``diagnose``: implied fixed cost per operator, measured cost per
 collective), ``misses`` (``misses``: per stage and kind of cost, compute / update /
 transfer, the seconds measured in one step the runtime recorded, ``--trace-steps``,
-against the plan's figure; the summary's ``misses_by_kind`` has the median ratio per kind).
+against the plan's figure, ``alpa_torch.calibration.observe``; the summary's
+``misses_by_kind`` has the median ratio per kind).
+
+Calibration (``alpa_torch.calibration``, #20 item 4): ``--fit-calibration FILE`` writes the
+corrections per kind of cost and submesh that the run's recorded steps give (the medians of
+the raw ratios of every plan's ``misses``); ``--calibration FILE`` plans every plan of a
+later run with them (``Cluster.cost_correction``: the stage DP scales each stage's figures;
+a forced sharding's step scales by the whole cluster's 'compute' factor). The later run
+measures its steps anew, so its score is out of the sample the corrections came from.
 A plan that fails to plan or run prints ``error`` and is left out of the statistics.
 
 ``predicted`` also carries a what-if that is NOT the planner's prediction:
@@ -88,12 +98,14 @@ baselines (``bench/_common.py``).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from _common import BenchConfig, eager_reference, parse_measuring_args, select
 from _plans import (
@@ -110,6 +122,8 @@ from _plans import (
     stage_op_counts,
     workload,
 )
+
+from alpa_torch import calibration
 
 log = logging.getLogger("fidelity")
 
@@ -187,22 +201,26 @@ def fill_drain(plan, machine_devices: int) -> float:
     return plan.predicted_step_s - saved
 
 
-def predicted(plan, graph, machine_devices: int) -> dict:
+def predicted(plan, graph, cluster) -> dict:
     if not hasattr(plan, "stages"):  # a StageSharding: one stage, B = 1, the ILP's own figures
         from stage_dp.memory_sim import simulate_stage
 
         s = plan
+        # ``--calibration``: the 'compute' correction of the whole cluster (a one-stage step's
+        # measured ratio sets compute and update alike; the ILP does not split the two)
+        f = cluster.correction("compute", (cluster.num_hosts, cluster.devices_per_host))
+        total, compute, comm = f * s.total_s, f * s.compute_s, f * (s.comm_s + s.reshard_s)
         mem = simulate_stage(graph, s).peak_bytes  # the planner's simulated peak, as build_plan reports it
-        stage = {"layers": "all", "devices": "all", "mesh": list(s.mesh_shape), "time_s": round(s.total_s, 5),
-                 "compute_s": round(s.compute_s, 5), "comm_s": round(s.comm_s + s.reshard_s, 5),
+        stage = {"layers": "all", "devices": "all", "mesh": list(s.mesh_shape), "time_s": round(total, 5),
+                 "compute_s": round(compute, 5), "comm_s": round(comm, 5),
                  "memory_mb": round(mem / _MiB, 2), "persistent_mb": round(s.persistent_bytes / _MiB, 2),
                  "activation_mb": round(s.activation_bytes / _MiB, 2), "in_flight": 1,
                  "ops_per_step": len(graph.nodes)}
         devices = s.mesh_shape[0] * s.mesh_shape[1]
-        return {"step_s": round(s.total_s, 5), "compute_s": round(s.compute_s, 5),
-                "communication_s": round(s.comm_s + s.reshard_s, 5), "bubble_s": 0.0,
+        return {"step_s": round(total, 5), "compute_s": round(compute, 5),
+                "communication_s": round(comm, 5), "bubble_s": 0.0,
                 "peak_memory_mb": round(mem / _MiB, 2), "num_microbatches": 1, "schedule": None,
-                **capacity(s.total_s, devices * s.total_s), "fill_drain_step_s": round(s.total_s, 5),
+                **capacity(total, devices * total), "fill_drain_step_s": round(total, 5),
                 "stages": [stage]}
     ops = stage_op_counts(plan, graph)
     stages = [{"layers": [s.layer_start, s.layer_end], "devices": list(s.device_ids),
@@ -217,7 +235,7 @@ def predicted(plan, graph, machine_devices: int) -> dict:
             "communication_s": round(plan.communication_s, 5), "bubble_s": round(plan.bubble_s, 5),
             "peak_memory_mb": round(plan.peak_memory_bytes / _MiB, 2), "num_microbatches": plan.num_microbatches,
             "schedule": plan.schedule, **capacity(plan.predicted_step_s, busy),
-            "fill_drain_step_s": round(fill_drain(plan, machine_devices), 5), "stages": stages}
+            "fill_drain_step_s": round(fill_drain(plan, cluster.num_devices), 5), "stages": stages}
 
 
 def measured(res: dict) -> dict:
@@ -271,42 +289,18 @@ def diagnose(line: dict) -> dict | None:
             "p2p_wait_s": round(max(t["p2p_recv_s"] for t in bd["per_rank"]), 4)}
 
 
-_KINDS = {"forward": "compute", "backward": "compute", "update": "update", "collective": "update",
-          "transfer": "transfer", "step": "step"}
-"""Category of a recorded event (``runtime/timeline.py``) -> the kind of cost ``misses`` compares."""
-
-
-def misses(pred: dict, events) -> list[dict]:
+def misses(plan, pred: dict, events, cluster) -> list[dict]:
     """Where the prediction misses, per stage and kind of cost, from one step the runtime recorded
-    (``events``: (stage, rank, events) per worker, ``Engine.events``). Per stage, the median
-    over its devices of the seconds measured in each kind against the plan's figure for it:
-    'compute' = the forward and backward programs of the B microbatches (operators and the
-    collectives inside them) against B x (t - x - u / B), the stage's time per microbatch
-    without its transfer and its share of the update; 'update' = the update program and the
-    wait for the gradient buckets, against u; 'transfer' = receiving (which includes waiting
-    for the other stage), posting sends and waiting for them, against B x x; a one-stage
-    step without microbatches runs as one program: 'step', against the predicted step.
-    ``ratio`` = measured / predicted."""
-    b = pred["num_microbatches"]
-    per_stage: dict[int, list[dict[str, float]]] = {}
-    for stage, _, evs in events:
-        spent: dict[str, float] = {}
-        for _, cat, t0, t1, _ in evs:
-            spent[_KINDS[cat]] = spent.get(_KINDS[cat], 0.0) + (t1 - t0) / 1e9
-        per_stage.setdefault(stage, []).append(spent)
-    out = []
-    for k, devices in sorted(per_stage.items()):
-        st = pred["stages"][k]
-        if "step" in devices[0]:
-            expected = {"step": pred["step_s"]}
-        else:
-            x, u = st.get("cross_stage_s", 0.0), st.get("update_s", 0.0)
-            expected = {"compute": b * (st["time_s"] - x - u / b), "update": u, "transfer": b * x}
-        for kind, p in expected.items():
-            m = statistics.median(d.get(kind, 0.0) for d in devices)
-            out.append({"stage": k, "kind": kind, "predicted_s": round(p, 5), "measured_s": round(m, 5),
-                        "ratio": round(m / p, 3) if p > 0 else None})
-    return out
+    (``events``: (stage, rank, events) per worker, ``Engine.events``): ``calibration.observe``
+    for a plan; for a forced sharding (one stage, B = 1, one program) its 'step' against the
+    predicted step, the cost model's own figure being the ILP's."""
+    from alpa_torch import calibration
+
+    if hasattr(plan, "stages"):
+        return calibration.observe(plan, events)
+    measured_s = statistics.median(sum(t1 - t0 for _, _, t0, t1, _ in evs) / 1e9 for _, _, evs in events)
+    shape = (cluster.num_hosts, cluster.devices_per_host)
+    return [calibration.observation(0, "step", shape, pred["step_s"], plan.total_s, measured_s)]
 
 
 def run_plan(name: str, planner: Planner, wl, cluster, eager: dict, args) -> dict:
@@ -319,7 +313,7 @@ def run_plan(name: str, planner: Planner, wl, cluster, eager: dict, args) -> dic
     is_plan = hasattr(plan, "stages")
     line = {"plan": name, "summary": plan.summary() if is_plan else f"B=1 all@{args.cluster}/{plan.mesh_shape[0]}x"
             f"{plan.mesh_shape[1]} forced {spec[0]}", "plan_s": round(time.perf_counter() - t0, 2),
-            "predicted": predicted(plan, wl.graph, cluster.num_devices)}
+            "predicted": predicted(plan, wl.graph, cluster)}
     try:
         deploy = plan_deployer(plan, wl, cluster) if is_plan else sharding_deployer(wl, plan)
         res = run_on_workers(cluster, deploy, wl, warmup=args.warmup_steps, timed=args.timed_steps,
@@ -337,7 +331,7 @@ def run_plan(name: str, planner: Planner, wl, cluster, eager: dict, args) -> dic
     if diagnosis:
         line["diagnosis"] = diagnosis
     if res.get("events"):
-        line["misses"] = misses(line["predicted"], res["events"])
+        line["misses"] = misses(plan, line["predicted"], res["events"], cluster)
     return line
 
 
@@ -390,6 +384,7 @@ def summary(lines: list[dict], cluster, cfg: BenchConfig, t_start: float) -> dic
             colls = [d["collective_ms"] for d in diag if d["collective_ms"] is not None]
             out["median_collective_ms"] = statistics.median(colls) if colls else None
     out["cluster"] = cluster_summary(cluster)
+    out["calibration"] = cluster.cost_correction or None  # ``--calibration``: the corrections planned with
     out["machine"] = machine_info()
     out["wall_s"] = round(time.perf_counter() - t_start, 1)
     return out
@@ -408,6 +403,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--breakdown-steps", type=int, default=2, help="extra instrumented steps (0: none)")
     ap.add_argument("--trace-steps", type=int, default=1,
                     help="extra steps the runtime records, for the misses per stage and kind (0: none)")
+    ap.add_argument("--calibration", metavar="FILE.json", default=None,
+                    help="measured cost corrections ({kind: {submesh: factor}}, as --fit-calibration writes them) "
+                         "to plan with: the fidelity 'after one measured calibration'")
+    ap.add_argument("--fit-calibration", metavar="FILE.json", default=None,
+                    help="write the corrections this run's recorded steps give (alpa_torch.calibration.fit)")
     args = parse_measuring_args(ap, argv)
     table = CLUSTER_PLANS[args.cluster]
     names = select(ap, args.plans or ",".join(table), table, "plan")
@@ -426,6 +426,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster, cached = profiled_cluster(*shape, reprofile=args.reprofile)
         log.info("cluster (%s): %s", "cached" if cached else "profiled now", cluster.describe())
+        if args.calibration:
+            cluster = calibration.calibrated(cluster, json.loads(Path(args.calibration).read_text()))
+            log.info("planning with the measured cost corrections of %s: %s", args.calibration,
+                     cluster.cost_correction)
         planner = Planner(wl.graph, cluster)
         for name in names:
             line = run_plan(name, planner, wl, cluster, eager, args)
@@ -434,6 +438,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if started:
             stop_ray()
+    if args.fit_calibration:
+        fitted = calibration.fit([m for ln in lines for m in ln.get("misses", ())])
+        Path(args.fit_calibration).write_text(json.dumps(fitted, indent=1) + "\n")
+        log.info("wrote the corrections of this run's recorded steps to %s: %s", args.fit_calibration, fitted)
     print(dumps(summary(lines, cluster, cfg, t_start)), flush=True)
     return 0
 

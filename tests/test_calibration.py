@@ -94,14 +94,15 @@ def test_observing_fitting_and_applying_converge(graph):
     fitted = calibration.fit(observed)
     assert fitted["compute"]["1x1"] == pytest.approx(0.75, rel=1e-3)
     assert fitted["update"]["1x1"] == pytest.approx(1.5, rel=1e-3)
-    assert fitted["transfer"]["1x1"] == pytest.approx(4.0, rel=1e-3)
+    assert "transfer" not in fitted  # a receive's time includes waiting for the other stage
+    fitted["transfer"] = {"1x1": 4.0}  # given by hand, it applies
 
     again = make_plan(graph, calibration.calibrated(cluster, fitted), PlanOptions(num_stages=2, num_microbatches=2))
     assert [(s.layer_start, s.layer_end) for s in again.stages] == [(s.layer_start, s.layer_end) for s in plan.stages]
     observed_again = calibration.observe(again, events)  # the same measured step against the new figures
     assert all(o["ratio"] == pytest.approx(1.0, rel=2e-3) for o in observed_again if o["ratio"] is not None)
     refitted = calibration.fit(observed_again)
-    assert all(refitted[k]["1x1"] == pytest.approx(fitted[k]["1x1"], rel=2e-3) for k in scale)
+    assert all(refitted[k]["1x1"] == pytest.approx(fitted[k]["1x1"], rel=2e-3) for k in ("compute", "update"))
 
 
 def test_a_one_stage_step_counts_for_compute_and_update(graph):
