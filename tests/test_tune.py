@@ -61,6 +61,16 @@ def test_rules_measure_close_predictions_and_keep_the_fastest_measured():
     assert "one stage (kept)" in text and "not measured" in text and "search (kept)" not in text
 
 
+def test_candidates_planned_with_measured_corrections_are_measured_within_a_narrower_margin():
+    graph, cluster, plan = _plans()
+    calibrated = dataclasses.replace(plan, cluster={**plan.cluster, "cost_correction": {"compute": {"1x2": 1.1}}})
+    close = dataclasses.replace(calibrated, predicted_step_s=calibrated.predicted_step_s * 1.5)
+    assert tuner.margin([tuner.Candidate("search", plan)]) == tuner.MARGIN
+    cands = [tuner.Candidate("search", calibrated), tuner.Candidate("one stage", close)]
+    assert tuner.margin(cands) == tuner.CALIBRATED_MARGIN < 1.5
+    assert tuner.to_measure(cands) == [cands[0]] and "1.5x" in cands[1].note
+
+
 def test_select_measures_each_close_candidate_and_leaves_the_kept_one_deployed(monkeypatch):
     graph, cluster, plan = _plans()
     plans = [plan, dataclasses.replace(plan, predicted_step_s=plan.predicted_step_s * 1.2),
