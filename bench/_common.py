@@ -123,6 +123,14 @@ def current_rss_mb() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2.0**20
 
 
+def error_text(exc: BaseException) -> str:
+    """A failure for a JSON line: its type, its first line and, for a worker group's error, the
+    first worker's own exception (the line naming what a device raised), each cut at 300 characters."""
+    lines = str(exc).splitlines() or [""]
+    raised = next((ln for ln in lines[1:] if " raised " in ln), None)
+    return f"{type(exc).__name__}: {lines[0][:300]}" + (f" | {raised.strip()[:300]}" if raised else "")
+
+
 def median(xs) -> float:
     return float(statistics.median(xs))
 

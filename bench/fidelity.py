@@ -107,7 +107,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import BenchConfig, eager_reference, parse_measuring_args, select
+from _common import BenchConfig, eager_reference, error_text, parse_measuring_args, select
 from _plans import (
     Planner,
     cluster_summary,
@@ -319,7 +319,7 @@ def run_plan(name: str, planner: Planner, wl, cluster, eager: dict, args) -> dic
         res = run_on_workers(cluster, deploy, wl, warmup=args.warmup_steps, timed=args.timed_steps,
                              breakdown_steps=args.breakdown_steps, trace_steps=args.trace_steps)
     except Exception as exc:  # noqa: BLE001
-        line["error"] = f"running failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        line["error"] = f"running failed: {error_text(exc)}"
         return line
     line["measured"] = measured(res)
     line["rel_err_time"] = round(rel_err(line["predicted"]["step_s"], res["step_s"]), 4)

@@ -62,6 +62,7 @@ from _common import (
     build_model,
     current_rss_mb,
     eager_reference,
+    error_text,
     global_batch,
     parse_measuring_args,
     select,
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             res = run_alpa(cfg, args.reprofile) if peer == "alpa_auto" else run_torch(peer, cfg)
             line = line_of(peer, res, cfg, eager)
         except Exception as exc:  # noqa: BLE001 - report and go on
-            line = {"peer": peer, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+            line = {"peer": peer, "error": error_text(exc)}
         print(dumps(line), flush=True)
         lines.append(line)
     ok = [ln for ln in lines if "error" not in ln]

@@ -72,6 +72,7 @@ from _common import (
     build_model,
     current_rss_mb,
     eager_reference,
+    error_text,
     global_batch,
     parse_measuring_args,
     select,
@@ -269,7 +270,7 @@ def measure(name: str, wl_name: str, wl: VsWorkload, cfg: BenchConfig, eager: di
             res = run_alpa(wl, cfg) if name == "alpa" else run_torch(name, cfg, wl.world)
             break
         except Exception as exc:  # noqa: BLE001 - report, retry, go on
-            error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            error = error_text(exc)
             line.setdefault("failed_attempts", []).append(error)
             log.warning("%s on %s, attempt %d: %s", name, wl_name, attempt + 1, error)
     else:
