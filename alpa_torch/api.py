@@ -52,7 +52,6 @@ from alpa_torch.core.errors import (
     PlanError,
     StepUsageError,
 )
-from alpa_torch.core.graph import OpGraph
 from alpa_torch.core.microbatches import check_divisible, microbatch, split_flags
 from alpa_torch.core.options import PlanOptions
 from alpa_torch.core.plan import ParallelPlan
@@ -65,6 +64,7 @@ from . import calibration, viz
 from . import tune as tuner
 from .batch import BatchLayout, check_indices, index_rules
 from .capture import capture, check_precision
+from .deploy import deploy_plan
 from .initial_state import checkpoint_source, give_storage, model_sources
 from .optim import FunctionalOptimizer
 from .plan_cache import PlanCache, cached_plan
@@ -481,28 +481,6 @@ class ParallelStep(ResilientStep):
             self._stop_workers()
         except Exception:  # noqa: BLE001 - interpreter teardown
             pass
-
-
-def deploy_plan(group, plan: ParallelPlan, graph: OpGraph, cluster: Cluster, seed: int = 0,
-                combine: str = "mean") -> tuple[Any, dict[str, str]]:
-    """Deploy ``plan`` on the workers of ``group``: ``(engine, copies)``.
-
-    ``graph`` is the step on one microbatch (``ParallelStep._runtime_graph``). The
-    layers the plan recomputes are rewritten first (``remat.rematerialize``); the
-    copies take their original's sharding, layer and stage. ``copies``: copy node ->
-    original node (empty without activation checkpointing)."""
-    from alpa_torch.core.partition import stage_of_nodes
-    from alpa_torch.core.remat import extend_layer_of, extend_sharding, rematerialize
-    from runtime.engine import Engine, StageDeployment
-
-    ranges = [(s.layer_start, s.layer_end) for s in plan.stages]
-    graph, copies = rematerialize(graph, plan.layer_of, plan.recompute_layers, ranges)
-    stage_of = stage_of_nodes(graph, extend_layer_of(plan.layer_of, copies), ranges)
-    stages = [StageDeployment(s.device_ids, s.logical_mesh, extend_sharding(s.sharding, copies))
-              for s in plan.stages]
-    engine = Engine(group, graph, stages, stage_of, plan.num_microbatches, plan.schedule, cluster=cluster,
-                    seed=seed, combine=combine)
-    return engine, copies
 
 
 def load_checkpoint(directory: str) -> tuple[dict[str, torch.Tensor], dict]:
