@@ -263,8 +263,8 @@ class ParallelStep(ResilientStep):
         """Measured plan selection (``alpa_torch.tune``): run the candidates the cost model cannot
         tell apart on the workers, keep the fastest, load the initial state (``sources``) into it."""
         t0 = time.perf_counter()
-        cands = tuner.candidates(self.plan, self.graph, self._planning_cluster(), self.options, self.plan_cache,
-                                 self.progress)
+        cands = tuner.candidates(self.plan, self.graph, Cluster.from_dict(self.plan.cluster), self.options,
+                                 self.plan_cache, self.progress)  # the cluster the plan was priced on
         if len(cands) == 1:
             return
         scalars = self._functional.host_scalars(self._step + 1)

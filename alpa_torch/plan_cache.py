@@ -122,11 +122,7 @@ class PlanCache:
         if not path.is_file():
             return None
         try:
-            entry = json.loads(path.read_text())
-            if not isinstance(entry, dict) or entry.get("format") != ENTRY_FORMAT:
-                raise ValueError(f"not a {ENTRY_FORMAT} entry")
-            if entry.get("fields") != fields:
-                raise ValueError("its key fields differ from this graph / cluster / options")
+            entry = _checked_entry(path, fields, ENTRY_FORMAT)
             plan = ParallelPlan.from_dict(entry["plan"])
             plan.validate(graph, cluster)
             warnings = entry.get("warnings", [])
@@ -150,10 +146,9 @@ class PlanCache:
         if not path.is_file():
             return None
         try:
-            entry = json.loads(path.read_text())
-            if not isinstance(entry, dict) or entry.get("format") != DATA_FORMAT or entry.get("fields") != fields \
-                    or not isinstance(entry.get("data"), dict):
-                raise ValueError(f"not a {DATA_FORMAT} entry for these key fields")
+            entry = _checked_entry(path, fields, DATA_FORMAT)
+            if not isinstance(entry.get("data"), dict):
+                raise ValueError("its data is not a dict")
         except Exception as exc:  # noqa: BLE001 - any defect means: do not use it
             log.warning("ignoring cache entry %s (%s)", path, exc)
             return None
@@ -175,6 +170,16 @@ class PlanCache:
             tmp.unlink(missing_ok=True)
             return None
         return path
+
+
+def _checked_entry(path: Path, fields: dict[str, Any], entry_format: str) -> dict:
+    """The entry stored at ``path``; ValueError unless it is an ``entry_format`` entry for ``fields``."""
+    entry = json.loads(path.read_text())
+    if not isinstance(entry, dict) or entry.get("format") != entry_format:
+        raise ValueError(f"not a {entry_format} entry")
+    if entry.get("fields") != fields:
+        raise ValueError("its key fields differ from the ones asked for (graph / cluster / options)")
+    return entry
 
 
 def cached_plan(cache: PlanCache | None, graph: OpGraph, cluster: Cluster, options: PlanOptions,
