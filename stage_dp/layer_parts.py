@@ -1,8 +1,9 @@
 """What a solved layer ILP costs, split the way the stage DP prices it (``stage_costs``).
 
 Owns: the chosen strategies' compute, collective and resharding seconds per phase
-(forward/backward, update), and the fixed parts every microbatch pays in full (operator
-overhead, collective latency). Does not own the ILP (``intra_ilp``) nor how the parts are
+(forward/backward, update), the fixed parts every microbatch pays in full (operator
+overhead, collective latency), and the gradient reductions re-priced as the runtime runs
+them (once a step, in buckets: ``bucketed_parts``). Does not own the ILP (``intra_ilp``) nor how the parts are
 summed over layers and stages (``stage_costs``, ``search``).
 """
 
@@ -14,6 +15,8 @@ import operator
 import torch
 
 from alpa_torch.core.grad_op import GRAD_MARKER_NAME
+from alpa_torch.core.grad_reductions import BUCKET_CAP_BYTES, find_reductions
+from alpa_torch.core.spec import P, R, ShardingSpec, to_dtensor_placements
 from intra_ilp import cost_model as cm
 
 
@@ -85,3 +88,116 @@ def latency_s(mesh: cm.MeshCost, src, dst, shape, itemsize: int) -> float:
     """α of every collective on the cheapest reshard path from ``src`` to ``dst``."""
     steps = cm.reshard_path(mesh, src, dst, tuple(shape), itemsize)
     return math.fsum(mesh.axis_alpha_s(st.axis) for st in steps if st.collective not in ("slice", "zero", "relabel"))
+
+
+def bucketed_parts(instance, choice, graph, ops: set[str], builder, mesh: cm.MeshCost,
+                   fx_nodes) -> dict[str, float]:
+    """The layer's gradient reductions priced as the runtime runs them, not as the ILP did.
+
+    The ILP prices a partial gradient's reduction at the edge where its choice reduces it,
+    in backward, with the α of each collective, per microbatch. The runtime finds those
+    reductions with ``alpa_torch.core.grad_reductions.find_reductions`` (the same rule,
+    run here on the chosen specs) and runs each once a step, after the last microbatch,
+    in flat buckets of ``BUCKET_CAP_BYTES``. So the chain's edges (the marker's input and
+    those of the layout records the runtime defers, or the marker's readers when the
+    gradient stays partial through it) come off the phase that priced them, and one
+    all-reduce of the gradient's local summand goes to the update: its bandwidth part,
+    and the α of its share of a bucket. The ILP's choice is unchanged.
+
+    Returns seconds to subtract from ``reshard_fb`` and from ``latency_fb``, and to add to
+    ``reshard_update`` (net of the readers' reductions it replaces)."""
+    index = {node.name: i for i, node in enumerate(instance.nodes)}
+    chosen = {name: builder.options[name][choice[i]] for name, i in index.items()}
+    value_specs = {n: to_dtensor_placements(st.outputs[0]) for n, st in chosen.items()
+                   if st.outputs and st.outputs[0] is not None}
+    input_specs = {n: [to_dtensor_placements(s) for s in st.inputs] for n, st in chosen.items()
+                   if n in ops and st.inputs and all(s is not None for s in st.inputs)}
+    records = [(fx_nodes[n].op, n, str(fx_nodes[n].target), None, None,
+                tuple(a.name for a in fx_nodes[n].all_input_nodes)) for n in ops if n in index]
+    out = {"reshard_fb": 0.0, "latency_fb": 0.0, "reshard_update": 0.0}
+    reductions = find_reductions(records, value_specs, input_specs, GRAD_MARKER_NAME)
+    for name, red in list(reductions.items()):
+        if chosen[name].outputs[0].has_partial:  # reduced at its readers
+            ends = [u.name for u in fx_nodes[name].users]
+        else:  # reduced on the way to it
+            ends = [fx_nodes[n].all_input_nodes[0].name for n in (name, *red.deferred)]
+        if not ops.issuperset(ends):  # the chain leaves the layer: ``StageCostModel._stitch`` prices it
+            del reductions[name]
+    if not reductions:
+        return out
+    into: dict[int, list] = {}
+    out_of: dict[int, list] = {}
+    for e in instance.edges:
+        into.setdefault(e.dst, []).append(e)
+        out_of.setdefault(e.src, []).append(e)
+    removed = {"fb": [], "latency": [], "update": [], "added": []}
+    for red in reductions.values():
+        marker = chosen[red.marker].outputs[0]
+        if any(marker.placements[a].is_partial for a in red.axes):  # reduced at its readers
+            edges = out_of.get(index[red.marker], [])
+        else:
+            edges = [e for name in (red.marker, *red.deferred) for e in into.get(index[name], ())
+                     if instance.nodes[e.src].name == fx_nodes[name].all_input_nodes[0].name]
+        for e in edges:
+            cost = float(e.reshard_s[choice[e.src], choice[e.dst]])
+            if not cost > 0:
+                continue
+            src_name, dst_name = instance.nodes[e.src].name, instance.nodes[e.dst].name
+            facts = graph.nodes.get(dst_name)
+            if facts is None or facts.phase == "update":
+                removed["update"].append(cost)
+                continue
+            removed["fb"].append(cost)
+            tensor_inputs = [a.name for a in fx_nodes[dst_name].all_input_nodes
+                             if isinstance(node_val(a), torch.Tensor)]
+            j = tensor_inputs.index(src_name) if src_name in tensor_inputs else len(chosen[dst_name].inputs)
+            src_spec = chosen[src_name].outputs[0] if chosen[src_name].outputs else None
+            if src_spec is not None and j < len(chosen[dst_name].inputs):  # as ``fixed_fb_parts`` priced it
+                val = node_val(fx_nodes[src_name])
+                removed["latency"].append(latency_s(mesh, src_spec, chosen[dst_name].inputs[j],
+                                                    tuple(val.shape), val.element_size()))
+        val = node_val(fx_nodes[red.marker])
+        removed["added"].append(bucket_s(mesh, marker, red.axes, tuple(val.shape), val.element_size()))
+    out["reshard_fb"] = math.fsum(removed["fb"])
+    out["latency_fb"] = math.fsum(removed["latency"])
+    out["reshard_update"] = math.fsum(removed["added"]) - math.fsum(removed["update"])
+    return out
+
+
+def bucket_s(mesh: cm.MeshCost, spec: ShardingSpec, axes, shape, itemsize: int) -> float:
+    """One gradient's share of a bucket's all-reduce over ``axes`` (the runtime all-reduces a
+    gradient it keeps sharded, then takes its chunk): the bandwidth of its local summand,
+    and the α of one collective times its share of ``BUCKET_CAP_BYTES``."""
+    partial, whole = list(spec.placements), list(spec.placements)
+    for a in axes:
+        partial[a], whole[a] = P, R
+    src, dst = ShardingSpec(tuple(partial)), ShardingSpec(tuple(whole))
+    alpha = latency_s(mesh, src, dst, shape, itemsize)
+    nbytes = src.local_numel(shape, mesh.mesh_shape) * itemsize
+    return cm.reshard_s(mesh, src, dst, shape, itemsize) - alpha + alpha * nbytes / BUCKET_CAP_BYTES
+
+
+def bucketed_edge(src_spec: ShardingSpec, want: ShardingSpec, marker_spec: ShardingSpec) -> tuple[int, ...] | None:
+    """The mesh axes the runtime reduces in a bucket where a gradient marker's input arrives
+    from another layer as ``src_spec`` and the plan wants ``want`` (``find_reductions`` on
+    the two records); None where it runs the edge as the plan says."""
+    records = [("call_function", "src", "producer", None, None, ()),
+               ("call_function", "marker", GRAD_MARKER_NAME, None, None, ("src",))]
+    return _marker_axes(records, {"src": src_spec, "marker": marker_spec}, {"marker": [want]})
+
+
+def bucketed_at_readers(marker_spec: ShardingSpec, wants: list[ShardingSpec]) -> tuple[int, ...] | None:
+    """The mesh axes the runtime reduces in a bucket where the plan keeps a gradient partial
+    through its marker and its readers (in other layers too) want ``wants``; None where
+    each reader reduces it as the plan says."""
+    readers = [f"reader{k}" for k in range(len(wants))]
+    records = [("call_function", "marker", GRAD_MARKER_NAME, None, None, ())]
+    records += [("call_function", r, "reader", None, None, ("marker",)) for r in readers]
+    return _marker_axes(records, {"marker": marker_spec}, {r: [w] for r, w in zip(readers, wants)})
+
+
+def _marker_axes(records, value_specs, input_specs) -> tuple[int, ...] | None:
+    found = find_reductions(records, {k: to_dtensor_placements(v) for k, v in value_specs.items()},
+                            {k: [to_dtensor_placements(s) for s in v] for k, v in input_specs.items()},
+                            GRAD_MARKER_NAME)
+    return found["marker"].axes if "marker" in found else None

@@ -30,7 +30,9 @@ gradients) and activation (forward values kept for backward) bytes per device.
 Each cost is split by phase: forward+backward (``fb``: paid per microbatch)
 and ``update`` (paid once per step), so ``search.py`` can scale them apart.
 An ILP edge counts in the phase of the operator consuming it, so the gradient
-all-reduce before the optimizer is update cost. Of the forward/backward parts, the
+all-reduce before the optimizer is update cost; so is a gradient reduction the runtime
+runs once a step in buckets wherever the ILP placed it (``layer_parts.bucketed_parts``:
+bandwidth per gradient, α per bucket). Of the forward/backward parts, the
 fixed costs (``overhead_fb_s``: the cost per operator execution; ``latency_fb_s``:
 the α of each collective) are kept apart: every microbatch pays them in full.
 
@@ -81,6 +83,7 @@ import numpy as np
 import torch
 
 from alpa_torch.core.errors import InfeasibleMemoryError
+from alpa_torch.core.grad_op import GRAD_MARKER_NAME
 from alpa_torch.core.remat import recompute_nodes
 from alpa_torch.core.sharding import StageSharding
 from intra_ilp import cost_model as cm
@@ -91,7 +94,16 @@ from intra_ilp.stage import build_stage_instance, stage_sharding
 from .checkpointing import range_max
 from .fork_pool import default_workers, fork_map
 from .layer_assign import LayerAssignment, LayerSignatures
-from .layer_parts import fixed_fb_parts, latency_s, node_val, phase_parts
+from .layer_parts import (
+    bucket_s,
+    bucketed_at_readers,
+    bucketed_edge,
+    bucketed_parts,
+    fixed_fb_parts,
+    latency_s,
+    node_val,
+    phase_parts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -375,6 +387,9 @@ class StageCostModel:
         ops = set(self.sigs.ops[rep])
         # the layer's operators, plus the batch inputs it loads (priced as loads: ``build_stage_instance``)
         p = phase_parts(instance, choice, self.graph, ops | set(b.fed))
+        bucketed = bucketed_parts(instance, choice, self.graph, ops, b, mesh, self.fx_nodes)
+        p["reshard_fb"] -= bucketed["reshard_fb"]
+        p["reshard_update"] += bucketed["reshard_update"]
         mem = [float(instance.nodes[i].memory_bytes[choice[i]]) for i in range(len(instance.nodes))]
         sharding = stage_sharding(b, instance, sol, (p["compute_fb"] + p["compute_update"],
                                                      p["comm_fb"] + p["comm_update"],
@@ -383,6 +398,7 @@ class StageCostModel:
         recompute_s, kept = self._remat_parts(rep, instance, choice, mem)
         least_kept, least_act = self._remat_parts(rep, instance, choice, least)[1], math.fsum(least[i] for i in saved)
         overhead_fb, latency_fb = fixed_fb_parts(instance, choice, self.graph, ops, b, mesh, self.fx_nodes)
+        latency_fb -= bucketed["latency_fb"]
         return LayerCost(compute_fb_s=p["compute_fb"], comm_fb_s=p["comm_fb"] + p["reshard_fb"],
                          compute_update_s=p["compute_update"],
                          comm_update_s=p["comm_update"] + p["reshard_update"],
@@ -439,7 +455,8 @@ class StageCostModel:
     # ------------------------------------------------------------ stitching
     def _cross_edges(self) -> list[tuple]:
         """(src, src layer, dst, dst layer, input index or -1, shape, itemsize, phase) of
-        every edge between two layers; -1: an updated state back to its stored input."""
+        every edge between two layers; -1: an updated state back to its stored input; phase
+        'gradient': into a gradient marker (reduced in a bucket where the runtime does)."""
         layer_of, out = self.layers.layer_of, []
         for v in self.graph.nodes:
             node = self.fx_nodes[v]
@@ -450,8 +467,9 @@ class StageCostModel:
                 la = layer_of.get(a.name)
                 if la is not None and la != layer_of[v]:
                     val = node_val(a)
+                    facts = self.graph.nodes[v]
                     out.append((a.name, la, v, layer_of[v], j, tuple(val.shape), val.element_size(),
-                                self.graph.nodes[v].phase))
+                                "gradient" if facts.target == GRAD_MARKER_NAME else facts.phase))
         stored = {(s.kind, s.name): s.node for s in self.graph.inputs}
         for s in self.graph.outputs:
             dst = stored.get((s.kind, s.name))
@@ -460,6 +478,47 @@ class StageCostModel:
                 out.append((s.node, layer_of[s.node], dst, layer_of[dst], -1, tuple(val.shape),
                             val.element_size(), "update"))
         return out
+
+    @functools.cached_property
+    def _split_markers(self) -> dict[str, list[tuple[str, int, int]]]:
+        """Gradient marker -> its readers as (reader, its layer, input index), for every marker
+        read in another layer than its own (its optimizer update assigned elsewhere)."""
+        layer_of, out = self.layers.layer_of, {}
+        for name, facts in self.graph.nodes.items():
+            if facts.target != GRAD_MARKER_NAME or name not in layer_of:
+                continue
+            readers = []
+            for user in self.fx_nodes[name].users:
+                ins = [a.name for a in user.all_input_nodes if isinstance(node_val(a), torch.Tensor)]
+                if user.name in layer_of and name in ins:
+                    readers.append((user.name, layer_of[user.name], ins.index(name)))
+            if any(layer != layer_of[name] for _, layer, _ in readers):
+                out[name] = readers
+        return out
+
+    def _bucketed_at_readers(self, layer_costs, mesh, x_up) -> set[tuple[str, str]]:
+        """The gradients the plan keeps partial through their marker, read in several layers, that
+        the runtime reduces once in a bucket (``layer_parts.bucketed_at_readers``): their bucket in
+        ``x_up`` between the marker's layer and its readers', less the readers' reductions the
+        marker's own layer priced. Returns the cross-layer edges it replaces."""
+        replaced = set()
+        for marker, readers in self._split_markers.items():
+            lm = self.layers.layer_of[marker]
+            spec = self._spec(layer_costs, lm, marker, -1)
+            wants = [self._spec(layer_costs, lr, r, j) for r, lr, j in readers]
+            if spec is None or not spec.has_partial or any(w is None for w in wants):
+                continue
+            axes = bucketed_at_readers(spec, wants)
+            if axes is None:
+                continue
+            val = node_val(self.fx_nodes[marker])
+            shape, itemsize = tuple(val.shape), val.element_size()
+            own = math.fsum(cm.reshard_s(mesh, spec, w, shape, itemsize)
+                            for (_, lr, _), w in zip(readers, wants) if lr == lm)
+            layers = [lm, *(lr for _, lr, _ in readers)]
+            x_up[min(layers), max(layers)] += bucket_s(mesh, spec, axes, shape, itemsize) - own
+            replaced |= {(marker, r) for r, lr, _ in readers if lr != lm}
+        return replaced
 
     def _spec(self, layer_costs, layer, name, j):
         sharding = layer_costs[layer].sharding
@@ -476,11 +535,20 @@ class StageCostModel:
         x_fb, x_up = np.zeros((num_layers, num_layers)), np.zeros((num_layers, num_layers))
         x_lat = np.zeros((num_layers, num_layers))
         mesh = self.mesh_cost(cfg)
+        replaced = self._bucketed_at_readers(layer_costs, mesh, x_up)
         for src, la, dst, lb, j, shape, itemsize, phase in self.cross_edges:
+            if (src, dst) in replaced:
+                continue
             spec_src = self._spec(layer_costs, la, src, -1)
             spec_dst = self._spec(layer_costs, lb, dst, j)
             if spec_src is None or spec_dst is None:
                 continue
+            if phase == "gradient":  # reduced once a step, in a bucket (``layer_parts.bucketed_parts``)
+                marker_spec = self._spec(layer_costs, lb, dst, -1)
+                axes = bucketed_edge(spec_src, spec_dst, marker_spec) if marker_spec is not None else None
+                if axes is not None:
+                    x_up[min(la, lb), max(la, lb)] += bucket_s(mesh, marker_spec, axes, shape, itemsize)
+                    continue
             cost = cm.reshard_s(mesh, spec_src, spec_dst, shape, itemsize)
             (x_up if phase == "update" else x_fb)[min(la, lb), max(la, lb)] += cost
             if phase != "update" and cost > 0:

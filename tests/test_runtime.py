@@ -306,7 +306,8 @@ def _specs(*specs):
 def test_two_step_2d_reduction_is_one_bucketed_reduction():
     """A plan reducing a PP gradient in two steps (PP -> RP at a transpose, RP -> RR at the
     marker) becomes one reduction over both axes, the transposes running on the partial value."""
-    from runtime.grad_buckets import deferred_wants, find_reductions
+    from alpa_torch.core.grad_reductions import find_reductions
+    from runtime.grad_buckets import deferred_wants
 
     records = [("placeholder", "x", "x", (), {}, ()),
                ("call_function", "mm", "aten.mm.default", (), {}, ("x", "x")),
@@ -329,7 +330,8 @@ def test_two_step_2d_reduction_is_one_bucketed_reduction():
 def test_embedding_backward_runs_on_the_partial_gradient():
     """embedding_dense_backward is linear in its gradient input: with replicated indices it is
     deferred onto the partial sum; with sharded indices it runs as the plan says."""
-    from runtime.grad_buckets import deferred_wants, find_reductions
+    from alpa_torch.core.grad_reductions import find_reductions
+    from runtime.grad_buckets import deferred_wants
 
     records = [("placeholder", "idx", "idx", (), {}, ()),
                ("placeholder", "g", "g", (), {}, ()),
@@ -349,7 +351,7 @@ def test_gradient_kept_partial_through_its_marker_is_reduced_there_once():
     """A gradient the plan leaves partial at its marker, reduced at each of the update's readers
     (two blocking all-reduces), is reduced once at the marker in a bucket when every reader wants
     the same placements; readers that want different placements keep the plan's collectives."""
-    from runtime.grad_buckets import find_reductions
+    from alpa_torch.core.grad_reductions import find_reductions
 
     records = [("placeholder", "g", "g", (), {}, ()),
                ("call_function", "grad", "alpa.grad.default", (), {}, ("g",)),
