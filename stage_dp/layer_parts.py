@@ -121,7 +121,7 @@ def bucketed_parts(instance, choice, graph, ops: set[str], builder, mesh: cm.Mes
             ends = [u.name for u in fx_nodes[name].users]
         else:  # reduced on the way to it
             ends = [fx_nodes[n].all_input_nodes[0].name for n in (name, *red.deferred)]
-        if not ops.issuperset(ends):  # the chain leaves the layer: ``StageCostModel._stitch`` prices it
+        if not ops.issuperset(ends):  # the chain leaves the layer: ``stitching.Stitching`` prices it
             del reductions[name]
     if not reductions:
         return out

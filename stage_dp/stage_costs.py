@@ -15,7 +15,7 @@ So we solve one ILP per (distinct layer, mesh) and stitch ranges:
   operators; values from other layers are ILP sources with a free spec; only
   the layer's own operators' compute is counted, see ``layer_parts.phase_parts``);
 - x_ab: the resharding between the specs layer a's solution gives a value and
-  the input spec layer b's solution wants for it (``cost_model.reshard_s``),
+  the input spec layer b's solution wants for it (``cost_model.reshard_s``; ``stitching.py``),
   summed over every edge between layers a and b (both directions). The
   stitched specs are exactly what ``stage_sharding`` hands the runtime, so x
   is the true price of running the per-layer solutions together, but a joint
@@ -74,16 +74,13 @@ import dataclasses
 import functools
 import logging
 import math
-import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from alpa_torch.core.errors import InfeasibleMemoryError
-from alpa_torch.core.grad_op import GRAD_MARKER_NAME
 from alpa_torch.core.remat import recompute_nodes
 from alpa_torch.core.sharding import StageSharding
 from intra_ilp import cost_model as cm
@@ -94,16 +91,8 @@ from intra_ilp.stage import build_stage_instance, stage_sharding
 from .checkpointing import range_max
 from .fork_pool import default_workers, fork_map
 from .layer_assign import LayerAssignment, LayerSignatures
-from .layer_parts import (
-    bucket_s,
-    bucketed_at_readers,
-    bucketed_edge,
-    bucketed_parts,
-    fixed_fb_parts,
-    latency_s,
-    node_val,
-    phase_parts,
-)
+from .layer_parts import bucketed_parts, fixed_fb_parts, phase_parts
+from .stitching import Stitching
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +231,7 @@ class StageCostModel:
         if not set(self.submeshes) <= set(shapes):
             raise ValueError(f"submeshes {list(self.submeshes)} are not all among the cluster's {list(shapes)}")
         self.configs: tuple[MeshConfig, ...] = self._configs()
-        self.cross_edges = self._cross_edges()
+        self.stitching = Stitching(graph, self.fx_nodes, layers, self.sigs)
         self._solutions: dict[tuple, LayerCost] = {} if solution_cache is None else solution_cache
         self._key = (id(graph), hash(tuple(layers.layer_of.items())), self.sharding)
         self._ranges: dict[tuple, RangeCosts] = {}
@@ -452,109 +441,6 @@ class StageCostModel:
             cap = exc.required_bytes * LEAN_SLACK + 1.0
             return solve_instance(dataclasses.replace(instance, memory_budget_bytes=cap), **limits)
 
-    # ------------------------------------------------------------ stitching
-    def _cross_edges(self) -> list[tuple]:
-        """(src, src layer, dst, dst layer, input index or -1, shape, itemsize, phase) of
-        every edge between two layers; -1: an updated state back to its stored input; phase
-        'gradient': into a gradient marker (reduced in a bucket where the runtime does)."""
-        layer_of, out = self.layers.layer_of, []
-        for v in self.graph.nodes:
-            node = self.fx_nodes[v]
-            if node.target is operator.getitem:
-                continue
-            ins = [a for a in node.all_input_nodes if isinstance(node_val(a), torch.Tensor)]
-            for j, a in enumerate(ins):
-                la = layer_of.get(a.name)
-                if la is not None and la != layer_of[v]:
-                    val = node_val(a)
-                    facts = self.graph.nodes[v]
-                    out.append((a.name, la, v, layer_of[v], j, tuple(val.shape), val.element_size(),
-                                "gradient" if facts.target == GRAD_MARKER_NAME else facts.phase))
-        stored = {(s.kind, s.name): s.node for s in self.graph.inputs}
-        for s in self.graph.outputs:
-            dst = stored.get((s.kind, s.name))
-            if dst and s.node in layer_of and layer_of[s.node] != layer_of[dst]:
-                val = node_val(self.fx_nodes[dst])
-                out.append((s.node, layer_of[s.node], dst, layer_of[dst], -1, tuple(val.shape),
-                            val.element_size(), "update"))
-        return out
-
-    @functools.cached_property
-    def _split_markers(self) -> dict[str, list[tuple[str, int, int]]]:
-        """Gradient marker -> its readers as (reader, its layer, input index), for every marker
-        read in another layer than its own (its optimizer update assigned elsewhere)."""
-        layer_of, out = self.layers.layer_of, {}
-        for name, facts in self.graph.nodes.items():
-            if facts.target != GRAD_MARKER_NAME or name not in layer_of:
-                continue
-            readers = []
-            for user in self.fx_nodes[name].users:
-                ins = [a.name for a in user.all_input_nodes if isinstance(node_val(a), torch.Tensor)]
-                if user.name in layer_of and name in ins:
-                    readers.append((user.name, layer_of[user.name], ins.index(name)))
-            if any(layer != layer_of[name] for _, layer, _ in readers):
-                out[name] = readers
-        return out
-
-    def _bucketed_at_readers(self, layer_costs, mesh, x_up) -> set[tuple[str, str]]:
-        """The gradients the plan keeps partial through their marker, read in several layers, that
-        the runtime reduces once in a bucket (``layer_parts.bucketed_at_readers``): their bucket in
-        ``x_up`` between the marker's layer and its readers', less the readers' reductions the
-        marker's own layer priced. Returns the cross-layer edges it replaces."""
-        replaced = set()
-        for marker, readers in self._split_markers.items():
-            lm = self.layers.layer_of[marker]
-            spec = self._spec(layer_costs, lm, marker, -1)
-            wants = [self._spec(layer_costs, lr, r, j) for r, lr, j in readers]
-            if spec is None or not spec.has_partial or any(w is None for w in wants):
-                continue
-            axes = bucketed_at_readers(spec, wants)
-            if axes is None:
-                continue
-            val = node_val(self.fx_nodes[marker])
-            shape, itemsize = tuple(val.shape), val.element_size()
-            own = math.fsum(cm.reshard_s(mesh, spec, w, shape, itemsize)
-                            for (_, lr, _), w in zip(readers, wants) if lr == lm)
-            layers = [lm, *(lr for _, lr, _ in readers)]
-            x_up[min(layers), max(layers)] += bucket_s(mesh, spec, axes, shape, itemsize) - own
-            replaced |= {(marker, r) for r, lr, _ in readers if lr != lm}
-        return replaced
-
-    def _spec(self, layer_costs, layer, name, j):
-        sharding = layer_costs[layer].sharding
-        rep_name = self.sigs.to_rep[layer].get(name)
-        if j < 0:
-            return sharding.value_specs.get(rep_name)
-        ins = sharding.input_specs.get(rep_name)
-        return ins[j] if ins is not None and j < len(ins) else None
-
-    def _stitch(self, cfg, layer_costs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """x_ab (module docstring), split into (fb, update), and the collective latency (α)
-        part of fb; float64 [L, L], upper triangle."""
-        num_layers = self.layers.num_layers
-        x_fb, x_up = np.zeros((num_layers, num_layers)), np.zeros((num_layers, num_layers))
-        x_lat = np.zeros((num_layers, num_layers))
-        mesh = self.mesh_cost(cfg)
-        replaced = self._bucketed_at_readers(layer_costs, mesh, x_up)
-        for src, la, dst, lb, j, shape, itemsize, phase in self.cross_edges:
-            if (src, dst) in replaced:
-                continue
-            spec_src = self._spec(layer_costs, la, src, -1)
-            spec_dst = self._spec(layer_costs, lb, dst, j)
-            if spec_src is None or spec_dst is None:
-                continue
-            if phase == "gradient":  # reduced once a step, in a bucket (``layer_parts.bucketed_parts``)
-                marker_spec = self._spec(layer_costs, lb, dst, -1)
-                axes = bucketed_edge(spec_src, spec_dst, marker_spec) if marker_spec is not None else None
-                if axes is not None:
-                    x_up[min(la, lb), max(la, lb)] += bucket_s(mesh, marker_spec, axes, shape, itemsize)
-                    continue
-            cost = cm.reshard_s(mesh, spec_src, spec_dst, shape, itemsize)
-            (x_up if phase == "update" else x_fb)[min(la, lb), max(la, lb)] += cost
-            if phase != "update" and cost > 0:
-                x_lat[min(la, lb), max(la, lb)] += latency_s(mesh, spec_src, spec_dst, shape, itemsize)
-        return x_fb, x_up, x_lat
-
     def range_costs(self, cfg: MeshConfig, activation_scale: float = 1.0) -> RangeCosts:
         """Every layer range i..j on ``cfg`` (module docstring), at the captured batch."""
         key = (cfg, activation_scale if cfg.variant != "fast" else None)
@@ -563,7 +449,7 @@ class StageCostModel:
         if key not in self._ranges:
             num_layers = self.layers.num_layers
             lc = [self.layer_cost(l, cfg, activation_scale) for l in range(num_layers)]
-            x_fb, x_up, x_lat = self._stitch(cfg, lc)
+            x_fb, x_up, x_lat = self.stitching.costs(self.mesh_cost(cfg), lc)
             per_layer = {p: np.array([getattr(c, p) for c in lc]) for p in _PARTS}
             arrays = {p: _range_sums(v) for p, v in per_layer.items()}
             arrays["comm_fb_s"] = arrays["comm_fb_s"] + _pair_sums(x_fb)
