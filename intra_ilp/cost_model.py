@@ -110,7 +110,7 @@ logger = logging.getLogger(__name__)
 #: 3: a fixed cost per operator execution (``MeshCost.op_overhead_s``, ``operator_s``).
 #: 4: one collective over a whole-cluster 2-D mesh (``MeshCost.world``).
 #: 5: a batch leaf wanted replicated costs nothing (``intra_ilp.stage``: every device receives the batch).
-#: 6: gradient reductions priced as the runtime's buckets run them (``stage_dp.layer_parts.bucketed_parts``).
+#: 6: gradient reductions priced as the runtime's buckets run them (``stage_dp.layer_parts.bucketed_edges``).
 COST_MODEL_VERSION = "alpa-alpha-beta-6"
 WORLD_AXIS = -1
 """``ReshardStep.axis`` of a collective over every axis at once (``MeshCost.world``)."""

@@ -3,7 +3,7 @@
 Owns: the chosen strategies' compute, collective and resharding seconds per phase
 (forward/backward, update), the fixed parts every microbatch pays in full (operator
 overhead, collective latency), and the gradient reductions re-priced as the runtime runs
-them (once a step, in buckets: ``bucketed_parts``). Does not own the ILP (``intra_ilp``) nor how the parts are
+them (once a step, in buckets: ``bucketed_edges``). Does not own the ILP (``intra_ilp``) nor how the parts are
 summed over layers and stages (``stage_costs``, ``search``).
 """
 
@@ -25,12 +25,13 @@ def node_val(node):
     return node.meta.get("val")
 
 
-def phase_parts(instance, choice, graph, ops: set[str]) -> dict[str, float]:
+def phase_parts(instance, choice, graph, ops: set[str], skip: frozenset[int] = frozenset()) -> dict[str, float]:
     """ILP cost of the chosen strategies split by phase and kind. Nodes count by their
     own phase, and only those in ``ops``: a source produced by an operator of another
     layer is that layer's cost (older ``build_stage_instance`` priced it in both).
     Edges count in the consumer's phase (an edge into a stored input, i.e. an updated
-    state written back, is update)."""
+    state written back, is update), except the edges at ``skip`` (indices into
+    ``instance.edges``: the gradient reductions ``bucketed_edges`` prices instead)."""
     acc: dict[tuple[str, str], list[float]] = {(ph, kind): [] for ph in ("fb", "update")
                                                 for kind in ("compute", "comm", "reshard")}
 
@@ -42,19 +43,21 @@ def phase_parts(instance, choice, graph, ops: set[str]) -> dict[str, float]:
         if node.name in ops:  # a placeholder here is a batch input, loaded per microbatch
             acc[phase(node.name, "fb"), "compute"].append(float(node.compute_s[choice[i]]))
             acc[phase(node.name, "fb"), "comm"].append(float(node.comm_s[choice[i]]))
-    for e in instance.edges:
-        acc[phase(instance.nodes[e.dst].name, "update"), "reshard"].append(
-            float(e.reshard_s[choice[e.src], choice[e.dst]]))
+    for k, e in enumerate(instance.edges):
+        if k not in skip:
+            acc[phase(instance.nodes[e.dst].name, "update"), "reshard"].append(
+                float(e.reshard_s[choice[e.src], choice[e.dst]]))
     return {f"{kind}_{ph}": math.fsum(v) for (ph, kind), v in acc.items()}
 
 
 def fixed_fb_parts(instance, choice, graph, ops: set[str], builder, mesh: cm.MeshCost,
-                    fx_nodes) -> tuple[float, float]:
+                   fx_nodes, skip: frozenset[int] = frozenset()) -> tuple[float, float]:
     """(operator overhead, collective latency) of the layer's forward/backward under ``choice``:
     ``mesh.op_overhead_s`` per forward/backward operator of ``ops`` the runtime runs (not a
     ``getitem`` nor a gradient marker), and α of every collective on the cheapest reshard
-    path (``cost_model.reshard_path``) of each forward/backward edge the choice pays for.
-    Both are per microbatch whatever its size (``search.build_tables``)."""
+    path (``cost_model.reshard_path``) of each forward/backward edge the choice pays for,
+    but those at ``skip`` (as ``phase_parts``). Both are per microbatch whatever its size
+    (``search.build_tables``)."""
 
     ran = 0
     for name in ops:
@@ -65,10 +68,10 @@ def fixed_fb_parts(instance, choice, graph, ops: set[str], builder, mesh: cm.Mes
             continue
         ran += 1
     latency = 0.0
-    for e in instance.edges:
+    for k, e in enumerate(instance.edges):
         dst_name, src_name = instance.nodes[e.dst].name, instance.nodes[e.src].name
         facts = graph.nodes.get(dst_name)
-        if facts is None or facts.phase == "update" or not e.reshard_s[choice[e.src], choice[e.dst]] > 0:
+        if k in skip or facts is None or facts.phase == "update" or not e.reshard_s[choice[e.src], choice[e.dst]] > 0:
             continue
         dst_node = fx_nodes[dst_name]
         tensor_inputs = [a.name for a in dst_node.all_input_nodes if isinstance(node_val(a), torch.Tensor)]
@@ -90,22 +93,21 @@ def latency_s(mesh: cm.MeshCost, src, dst, shape, itemsize: int) -> float:
     return math.fsum(mesh.axis_alpha_s(st.axis) for st in steps if st.collective not in ("slice", "zero", "relabel"))
 
 
-def bucketed_parts(instance, choice, graph, ops: set[str], builder, mesh: cm.MeshCost,
-                   fx_nodes) -> dict[str, float]:
-    """The layer's gradient reductions priced as the runtime runs them, not as the ILP did.
+def bucketed_edges(instance, choice, ops: set[str], builder, mesh: cm.MeshCost,
+                   fx_nodes) -> tuple[frozenset[int], float]:
+    """The layer's gradient reductions priced as the runtime runs them, not as the ILP did:
+    ``(edges, update_s)``.
 
     The ILP prices a partial gradient's reduction at the edge where its choice reduces it,
     in backward, with the α of each collective, per microbatch. The runtime finds those
     reductions with ``alpa_torch.core.grad_reductions.find_reductions`` (the same rule,
     run here on the chosen specs) and runs each once a step, after the last microbatch,
-    in flat buckets of ``BUCKET_CAP_BYTES``. So the chain's edges (the marker's input and
-    those of the layout records the runtime defers, or the marker's readers when the
-    gradient stays partial through it) come off the phase that priced them, and one
-    all-reduce of the gradient's local summand goes to the update: its bandwidth part,
-    and the α of its share of a bucket. The ILP's choice is unchanged.
-
-    Returns seconds to subtract from ``reshard_fb`` and from ``latency_fb``, and to add to
-    ``reshard_update`` (net of the readers' reductions it replaces)."""
+    in flat buckets of ``BUCKET_CAP_BYTES``. ``edges``: indices into ``instance.edges`` of
+    the chains' edges (the marker's input and those of the layout records the runtime
+    defers, or the marker's readers when the gradient stays partial through it), which
+    ``phase_parts`` and ``fixed_fb_parts`` leave out; ``update_s``: one all-reduce of each
+    gradient's local summand instead (``bucket_s``). A chain that leaves the layer is
+    ``stitching.Stitching``'s. The ILP's choice is unchanged."""
     index = {node.name: i for i, node in enumerate(instance.nodes)}
     chosen = {name: builder.options[name][choice[i]] for name, i in index.items()}
     value_specs = {n: to_dtensor_placements(st.outputs[0]) for n, st in chosen.items()
@@ -114,54 +116,21 @@ def bucketed_parts(instance, choice, graph, ops: set[str], builder, mesh: cm.Mes
                    if n in ops and st.inputs and all(s is not None for s in st.inputs)}
     records = [(fx_nodes[n].op, n, str(fx_nodes[n].target), None, None,
                 tuple(a.name for a in fx_nodes[n].all_input_nodes)) for n in ops if n in index]
-    out = {"reshard_fb": 0.0, "latency_fb": 0.0, "reshard_update": 0.0}
-    reductions = find_reductions(records, value_specs, input_specs, GRAD_MARKER_NAME)
-    for name, red in list(reductions.items()):
-        if chosen[name].outputs[0].has_partial:  # reduced at its readers
-            ends = [u.name for u in fx_nodes[name].users]
-        else:  # reduced on the way to it
-            ends = [fx_nodes[n].all_input_nodes[0].name for n in (name, *red.deferred)]
-        if not ops.issuperset(ends):  # the chain leaves the layer: ``stitching.Stitching`` prices it
-            del reductions[name]
-    if not reductions:
-        return out
-    into: dict[int, list] = {}
-    out_of: dict[int, list] = {}
-    for e in instance.edges:
-        into.setdefault(e.dst, []).append(e)
-        out_of.setdefault(e.src, []).append(e)
-    removed = {"fb": [], "latency": [], "update": [], "added": []}
-    for red in reductions.values():
+    edges: set[int] = set()
+    update_s: list[float] = []
+    for red in find_reductions(records, value_specs, input_specs, GRAD_MARKER_NAME).values():
         marker = chosen[red.marker].outputs[0]
         if any(marker.placements[a].is_partial for a in red.axes):  # reduced at its readers
-            edges = out_of.get(index[red.marker], [])
-        else:
-            edges = [e for name in (red.marker, *red.deferred) for e in into.get(index[name], ())
-                     if instance.nodes[e.src].name == fx_nodes[name].all_input_nodes[0].name]
-        for e in edges:
-            cost = float(e.reshard_s[choice[e.src], choice[e.dst]])
-            if not cost > 0:
-                continue
-            src_name, dst_name = instance.nodes[e.src].name, instance.nodes[e.dst].name
-            facts = graph.nodes.get(dst_name)
-            if facts is None or facts.phase == "update":
-                removed["update"].append(cost)
-                continue
-            removed["fb"].append(cost)
-            tensor_inputs = [a.name for a in fx_nodes[dst_name].all_input_nodes
-                             if isinstance(node_val(a), torch.Tensor)]
-            j = tensor_inputs.index(src_name) if src_name in tensor_inputs else len(chosen[dst_name].inputs)
-            src_spec = chosen[src_name].outputs[0] if chosen[src_name].outputs else None
-            if src_spec is not None and j < len(chosen[dst_name].inputs):  # as ``fixed_fb_parts`` priced it
-                val = node_val(fx_nodes[src_name])
-                removed["latency"].append(latency_s(mesh, src_spec, chosen[dst_name].inputs[j],
-                                                    tuple(val.shape), val.element_size()))
+            ends = {(red.marker, u.name) for u in fx_nodes[red.marker].users}
+        else:  # reduced on the way to it
+            ends = {(fx_nodes[n].all_input_nodes[0].name, n) for n in (red.marker, *red.deferred)}
+        if not ops.issuperset(name for end in ends for name in end):
+            continue
+        edges |= {k for k, e in enumerate(instance.edges)
+                  if (instance.nodes[e.src].name, instance.nodes[e.dst].name) in ends}
         val = node_val(fx_nodes[red.marker])
-        removed["added"].append(bucket_s(mesh, marker, red.axes, tuple(val.shape), val.element_size()))
-    out["reshard_fb"] = math.fsum(removed["fb"])
-    out["latency_fb"] = math.fsum(removed["latency"])
-    out["reshard_update"] = math.fsum(removed["added"]) - math.fsum(removed["update"])
-    return out
+        update_s.append(bucket_s(mesh, marker, red.axes, tuple(val.shape), val.element_size()))
+    return frozenset(edges), math.fsum(update_s)
 
 
 def bucket_s(mesh: cm.MeshCost, spec: ShardingSpec, axes, shape, itemsize: int) -> float:

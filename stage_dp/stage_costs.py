@@ -31,7 +31,7 @@ Each cost is split by phase: forward+backward (``fb``: paid per microbatch)
 and ``update`` (paid once per step), so ``search.py`` can scale them apart.
 An ILP edge counts in the phase of the operator consuming it, so the gradient
 all-reduce before the optimizer is update cost; so is a gradient reduction the runtime
-runs once a step in buckets wherever the ILP placed it (``layer_parts.bucketed_parts``:
+runs once a step in buckets wherever the ILP placed it (``layer_parts.bucketed_edges``:
 bandwidth per gradient, α per bucket). Of the forward/backward parts, the
 fixed costs (``overhead_fb_s``: the cost per operator execution; ``latency_fb_s``:
 the α of each collective) are kept apart: every microbatch pays them in full.
@@ -91,7 +91,7 @@ from intra_ilp.stage import build_stage_instance, stage_sharding
 from .checkpointing import range_max
 from .fork_pool import default_workers, fork_map
 from .layer_assign import LayerAssignment, LayerSignatures
-from .layer_parts import bucketed_parts, fixed_fb_parts, phase_parts
+from .layer_parts import bucketed_edges, fixed_fb_parts, phase_parts
 from .stitching import Stitching
 
 logger = logging.getLogger(__name__)
@@ -375,10 +375,9 @@ class StageCostModel:
         choice = sol.strategy_index
         ops = set(self.sigs.ops[rep])
         # the layer's operators, plus the batch inputs it loads (priced as loads: ``build_stage_instance``)
-        p = phase_parts(instance, choice, self.graph, ops | set(b.fed))
-        bucketed = bucketed_parts(instance, choice, self.graph, ops, b, mesh, self.fx_nodes)
-        p["reshard_fb"] -= bucketed["reshard_fb"]
-        p["reshard_update"] += bucketed["reshard_update"]
+        bucketed, bucket_s = bucketed_edges(instance, choice, ops, b, mesh, self.fx_nodes)
+        p = phase_parts(instance, choice, self.graph, ops | set(b.fed), skip=bucketed)
+        p["reshard_update"] += bucket_s
         mem = [float(instance.nodes[i].memory_bytes[choice[i]]) for i in range(len(instance.nodes))]
         sharding = stage_sharding(b, instance, sol, (p["compute_fb"] + p["compute_update"],
                                                      p["comm_fb"] + p["comm_update"],
@@ -386,8 +385,8 @@ class StageCostModel:
         least = [float(np.min(node.memory_bytes)) for node in instance.nodes]
         recompute_s, kept = self._remat_parts(rep, instance, choice, mem)
         least_kept, least_act = self._remat_parts(rep, instance, choice, least)[1], math.fsum(least[i] for i in saved)
-        overhead_fb, latency_fb = fixed_fb_parts(instance, choice, self.graph, ops, b, mesh, self.fx_nodes)
-        latency_fb -= bucketed["latency_fb"]
+        overhead_fb, latency_fb = fixed_fb_parts(instance, choice, self.graph, ops, b, mesh, self.fx_nodes,
+                                                 skip=bucketed)
         return LayerCost(compute_fb_s=p["compute_fb"], comm_fb_s=p["comm_fb"] + p["reshard_fb"],
                          compute_update_s=p["compute_update"],
                          comm_update_s=p["comm_update"] + p["reshard_update"],

@@ -120,7 +120,7 @@ class Stitching:
             spec_dst = self._spec(layer_costs, lb, dst, j)
             if spec_src is None or spec_dst is None:
                 continue
-            if phase == "gradient":  # reduced once a step, in a bucket (``layer_parts.bucketed_parts``)
+            if phase == "gradient":  # reduced once a step, in a bucket (``layer_parts.bucketed_edges``)
                 marker_spec = self._spec(layer_costs, lb, dst, -1)
                 axes = bucketed_edge(spec_src, spec_dst, marker_spec) if marker_spec is not None else None
                 if axes is not None:

@@ -1,6 +1,6 @@
 """The cost model prices gradient reductions as the runtime runs them (``runtime/grad_buckets.py``):
 once a step, in flat buckets, wherever the ILP's solution placed the reduction
-(``stage_dp.layer_parts.bucketed_parts``; the rule itself is ``alpa_torch.core.grad_reductions``)."""
+(``stage_dp.layer_parts.bucketed_edges``; the rule itself is ``alpa_torch.core.grad_reductions``)."""
 
 from __future__ import annotations
 
