@@ -102,8 +102,25 @@ class _OneStage:
             return self.runner.step(microbatches[0], scalars)
 
 
+def _release(state: dict) -> None:
+    """Drop this worker's previous deployment, if any, and free its tensors now.
+
+    A stage program's objects refer to each other (the runner, its generated code, the
+    pipeline schedule, the recorder), so dropping the last reference does not free them:
+    they wait for Python's cyclic collector, which may not run for many steps. Measured
+    plan selection deploys several plans on the same workers: without this, each worker
+    of the wide GPT on 1x4 kept a replaced trial deployment's state (91 MB of tensors)
+    next to the kept plan's for the whole run."""
+    import gc
+
+    for key in ("program", "runner", "recorder"):
+        state.pop(key, None)
+    gc.collect()
+
+
 def _install(state: dict, records_bytes: bytes, setup: dict, stage: int) -> bool:
-    """Build every stage's mesh (in the same order on every rank) and this rank's stage program."""
+    """Build every stage's mesh (in the same order on every rank) and this rank's stage program,
+    after releasing the previous deployment's (``_release``)."""
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -114,6 +131,7 @@ def _install(state: dict, records_bytes: bytes, setup: dict, stage: int) -> bool
     from .pipeline import PipelineRunner
     from .timeline import StepRecorder
 
+    _release(state)
     keep_freed_memory()
     records = pickle.loads(records_bytes)
     device_type = state["device"].type
