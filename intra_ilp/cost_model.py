@@ -111,7 +111,8 @@ logger = logging.getLogger(__name__)
 #: 4: one collective over a whole-cluster 2-D mesh (``MeshCost.world``).
 #: 5: a batch leaf wanted replicated costs nothing (``intra_ilp.stage``: every device receives the batch).
 #: 6: gradient reductions priced as the runtime's buckets run them (``stage_dp.layer_parts.bucketed_edges``).
-COST_MODEL_VERSION = "alpa-alpha-beta-6"
+#: 7: a pipeline's gradient accumulation over microbatches (``stage_dp.layer_parts.accumulate_s``).
+COST_MODEL_VERSION = "alpa-alpha-beta-7"
 WORLD_AXIS = -1
 """``ReshardStep.axis`` of a collective over every axis at once (``MeshCost.world``)."""
 

@@ -87,6 +87,26 @@ def fixed_fb_parts(instance, choice, graph, ops: set[str], builder, mesh: cm.Mes
     return ran * mesh.op_overhead_s, latency
 
 
+def accumulate_s(instance, choice, ops: set[str], builder, mesh: cm.MeshCost, fx_nodes) -> float:
+    """Seconds to add one microbatch's gradients of the layer into the step's sums under
+    ``choice``: the pipeline runtime keeps one sum per gradient marker and adds each later
+    microbatch's local summand to it (``runtime.pipeline.PipelineRunner._grad``), an
+    elementwise add that reads two summands and writes one (``cost_model.operator_s``).
+    Paid B - 1 times a step (``search.build_tables``). The local summand is the marker's
+    chosen spec on this device (a partial gradient is full-sized)."""
+    out = []
+    for i, node in enumerate(instance.nodes):
+        fx_node = fx_nodes.get(node.name)
+        if node.name not in ops or fx_node is None or str(fx_node.target) != GRAD_MARKER_NAME:
+            continue
+        st, val = builder.options[node.name][choice[i]], node_val(fx_node)
+        if not st.outputs or st.outputs[0] is None or not isinstance(val, torch.Tensor):
+            continue
+        nbytes = cm.bytes_per_device(st.outputs[0], tuple(val.shape), val.element_size(), mesh.mesh_shape)
+        out.append(cm.operator_s(mesh, 0.0, 3.0 * nbytes))
+    return math.fsum(out)
+
+
 def latency_s(mesh: cm.MeshCost, src, dst, shape, itemsize: int) -> float:
     """α of every collective on the cheapest reshard path from ``src`` to ``dst``."""
     steps = cm.reshard_path(mesh, src, dst, tuple(shape), itemsize)

@@ -9,7 +9,7 @@ Does not own any of those algorithms, nor running the plan (``runtime``).
 Stage cost of layers i..j on submesh s with config c, per microbatch (the
 DP's t in Alpa eq. 2, ``T = Σ_k t_k + (B-1) max_k t_k``)::
 
-    t = (fb_ij - f_ij + upd_ij) / B + f_ij + x_i
+    t = (fb_ij - f_ij + upd_ij) / B + f_ij + a_ij (B-1) / B + x_i
     fb_ij   forward + backward time of the ILP solution (compute, collectives,
             resharding) for the whole captured batch; its size-dependent part
             scales with the microbatch, 1/B of it (the graph is captured at the
@@ -19,6 +19,8 @@ DP's t in Alpa eq. 2, ``T = Σ_k t_k + (B-1) max_k t_k``)::
             and the latency α of each forward/backward collective
             (``stage_costs.LayerCost.overhead_fb_s``, ``latency_fb_s``); the
             bandwidth part of weight all-gathers is still divided by B
+    a_ij    adding one microbatch's gradients into the step's sums, paid by
+            every microbatch after the first (``layer_parts.accumulate_s``)
     upd_ij  optimizer time (incl. the gradient all-reduce before it), paid once
             per step; spreading it as upd/B over the microbatches keeps eq. 2
     x_i     cross-stage transfer for a stage starting at layer i > 0: the
@@ -29,7 +31,7 @@ DP's t in Alpa eq. 2, ``T = Σ_k t_k + (B-1) max_k t_k``)::
             is unknown inside the DP), else the intra-host link
 
 A cluster calibrated by measured steps (``Cluster.cost_correction``) scales, per
-submesh, fb_ij and f_ij by its 'compute' factor, upd_ij by its 'update' factor and
+submesh, fb_ij, f_ij and a_ij by its 'compute' factor, upd_ij by its 'update' factor and
 x_i by its 'transfer' factor (``Cluster.correction``): the intra-op ILP's choices
 are unchanged, the stage DP compares the stages at their measured rates.
 
@@ -147,9 +149,10 @@ def build_tables(model: StageCostModel, columns, num_microbatches: int, budget_b
             rc = model.range_costs(dataclasses.replace(cfg, recompute=False), activation_scale)
             upd = f_up * (rc.compute_update_s + rc.comm_update_s)
             fixed = rc.overhead_fb_s + rc.latency_fb_s  # paid in full by every microbatch
-            t = (f_fb * (rc.compute_fb_s + rc.comm_fb_s - fixed) + upd) / b + f_fb * fixed + cross[:, None]
+            acc = f_fb * rc.accumulate_s * (b - 1) / b
+            t = (f_fb * (rc.compute_fb_s + rc.comm_fb_s - fixed) + upd) / b + f_fb * fixed + acc + cross[:, None]
             compute = (f_fb * (rc.compute_fb_s - rc.overhead_fb_s) + f_up * rc.compute_update_s) / b \
-                + f_fb * rc.overhead_fb_s
+                + f_fb * rc.overhead_fb_s + acc
             pers, act = rc.persistent_bytes, rc.activation_bytes / b
             if cfg.recompute:  # every layer recomputed (``checkpointing.py``)
                 t, compute = t + f_fb * rc.recompute_s / b, compute + f_fb * rc.recompute_s / b

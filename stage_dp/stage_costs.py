@@ -91,7 +91,7 @@ from intra_ilp.stage import build_stage_instance, stage_sharding
 from .checkpointing import range_max
 from .fork_pool import default_workers, fork_map
 from .layer_assign import LayerAssignment, LayerSignatures
-from .layer_parts import bucketed_edges, fixed_fb_parts, phase_parts
+from .layer_parts import accumulate_s, bucketed_edges, fixed_fb_parts, phase_parts
 from .stitching import Stitching
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ REPLICATE_PENALTY_S = 1e3
 LEAN_SLACK = 1.02
 _PARTS = ("compute_fb_s", "comm_fb_s", "compute_update_s", "comm_update_s",
           "persistent_bytes", "activation_bytes", "recompute_s", "kept_bytes",
-          "overhead_fb_s", "latency_fb_s")
+          "overhead_fb_s", "latency_fb_s", "accumulate_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +147,9 @@ class LayerCost:
     latency_fb_s: float = 0.0
     """The part of ``comm_fb_s`` that is collective latency (α of every collective of the
     forward/backward reshards): also paid in full by every microbatch."""
+    accumulate_s: float = 0.0
+    """Adding one microbatch's gradients of the layer into the step's sums
+    (``layer_parts.accumulate_s``): paid by every microbatch after the first."""
     least_persistent_bytes: float = 0.0
     least_activation_bytes: float = 0.0
     least_kept_bytes: float = 0.0
@@ -182,6 +185,8 @@ class RangeCosts:
     latency_fb_s: np.ndarray
     """Part of ``comm_fb_s``: collective latency (``LayerCost.latency_fb_s``, and the α of the
     forward/backward reshards stitching the layers)."""
+    accumulate_s: np.ndarray
+    """Not in ``compute_fb_s``: one microbatch's gradient accumulation (``LayerCost.accumulate_s``)."""
 
 
 def batch_size(graph) -> int:
@@ -394,6 +399,7 @@ class StageCostModel:
                          activation_bytes=sharding.activation_bytes, sharding=sharding,
                          recompute_s=recompute_s, kept_bytes=min(kept, sharding.activation_bytes),
                          overhead_fb_s=overhead_fb, latency_fb_s=latency_fb,
+                         accumulate_s=accumulate_s(instance, choice, ops, b, mesh, self.fx_nodes),
                          least_persistent_bytes=math.fsum(least[i] for i in persistent),
                          least_activation_bytes=least_act, least_kept_bytes=min(least_kept, least_act))
 

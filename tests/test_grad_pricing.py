@@ -90,3 +90,28 @@ def test_no_alpha_of_a_bucketed_gradient_is_left_in_forward_backward(graph, shap
             (moved if (a.name, name) in bucketed else kept).append(alpha)
     assert moved and sum(kept) < sum(moved)
     assert rc.latency_fb_s[0, last] == pytest.approx(sum(kept), rel=1e-9)
+
+
+def test_a_stage_pays_the_gradient_accumulation_of_every_microbatch_after_the_first(graph):
+    """A pipeline adds each later microbatch's local gradient summands into the step's sums
+    (``runtime.pipeline.PipelineRunner._grad``): per gradient marker one add reading two
+    summands and writing one, at the marker's planned spec; B - 1 of them a step."""
+    from stage_dp.search import build_tables
+
+    model, cfg, mesh, rc, sharding, last = _stage(graph, (1, 2))
+    fx = {n.name: n for n in graph.gm.graph.nodes}
+    markers = [n for n in graph.nodes if str(fx[n].target) == GRAD_MARKER_NAME]
+    assert len(markers) >= 10
+    expected = 0.0
+    for name in markers:
+        val = fx[name].meta["val"]
+        nbytes = cm.bytes_per_device(sharding.value_specs[name], tuple(val.shape), val.element_size(),
+                                     mesh.mesh_shape)
+        expected += cm.operator_s(mesh, 0.0, 3.0 * nbytes)
+    assert rc.accumulate_s[0, last] == pytest.approx(expected, rel=1e-9)
+    s = model.submeshes.index(tuple(cfg.submesh))
+    cols = [[cfg] if i == s else [] for i in range(len(model.submeshes))]
+    one, four = (build_tables(model, cols, b, float("inf"), "1f1b", 1.0).cost_s[0, last, s, 0] for b in (1, 4))
+    fixed = rc.overhead_fb_s[0, last] + rc.latency_fb_s[0, last]
+    variable = one - fixed
+    assert four - (variable / 4 + fixed) == pytest.approx(expected * 3 / 4, rel=1e-6)

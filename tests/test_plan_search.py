@@ -421,7 +421,8 @@ def test_fixed_costs_are_paid_by_every_microbatch(graph, models):
             fixed = rc.overhead_fb_s[0, last] + rc.latency_fb_s[0, last]
             upd = rc.compute_update_s[0, last] + rc.comm_update_s[0, last]
             fb = rc.compute_fb_s[0, last] + rc.comm_fb_s[0, last]
+            acc = rc.accumulate_s[0, last]
             for b, t in tables.items():
-                assert t.cost_s[0, last, s, c] == pytest.approx((fb - fixed + upd) / b + fixed)
+                assert t.cost_s[0, last, s, c] == pytest.approx((fb - fixed + upd) / b + fixed + acc * (b - 1) / b)
             if cfg.logical_shape != (1, 1):
                 assert rc.latency_fb_s[0, last] > 0 or rc.comm_fb_s[0, last] == 0
