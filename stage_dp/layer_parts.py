@@ -2,8 +2,9 @@
 
 Owns: the chosen strategies' compute, collective and resharding seconds per phase
 (forward/backward, update), the fixed parts every microbatch pays in full (operator
-overhead, collective latency), and the gradient reductions re-priced as the runtime runs
-them (once a step, in buckets: ``bucketed_edges``). Does not own the ILP (``intra_ilp``) nor how the parts are
+overhead, collective latency), the gradient reductions re-priced as the runtime runs
+them (once a step, in buckets: ``bucketed_edges``) and the gradient accumulation each
+microbatch after the first pays (``accumulate_s``). Does not own the ILP (``intra_ilp``) nor how the parts are
 summed over layers and stages (``stage_costs``, ``search``).
 """
 
