@@ -48,6 +48,7 @@ from alpa_torch.core.spec import ShardingSpec
 
 from . import cost_model as cm
 from .instance import Follower, ILPEdge, ILPInstance, ILPNode
+from .reshard_paths import reshard_matrix_s
 from .strategies import Strategy, node_strategies, source_specs
 
 WL_ROUNDS = 3
@@ -287,7 +288,7 @@ class _Builder:
             src_specs = [st.outputs[0] if st.outputs and st.outputs[0] else ShardingSpec.replicated(2)
                          for st in src_opts]
             dst_specs = [st.outputs[0] if j is None else st.inputs[j] for st in dst_opts]
-            matrix = cm.reshard_matrix_s(self.mesh, src_specs, dst_specs, key[3], key[4])
+            matrix = reshard_matrix_s(self.mesh, src_specs, dst_specs, key[3], key[4])
             if fed:  # every device receives the whole batch: replicating a leaf is a lookup (StageRunner.put_batch)
                 matrix[:, [k for k, spec in enumerate(dst_specs) if spec.is_replicated]] = 0.0
             hit = self._matrices[key] = (src_opts, dst_opts, matrix)

@@ -19,6 +19,7 @@ from alpa_torch.core.grad_op import GRAD_MARKER_NAME
 from alpa_torch.core.grad_reductions import BUCKET_CAP_BYTES, find_reductions
 from alpa_torch.core.spec import P, R, ShardingSpec, to_dtensor_placements
 from intra_ilp import cost_model as cm
+from intra_ilp.reshard_paths import reshard_path, reshard_s
 
 
 def node_val(node):
@@ -110,7 +111,7 @@ def accumulate_s(instance, choice, ops: set[str], builder, mesh: cm.MeshCost, fx
 
 def latency_s(mesh: cm.MeshCost, src, dst, shape, itemsize: int) -> float:
     """α of every collective on the cheapest reshard path from ``src`` to ``dst``."""
-    steps = cm.reshard_path(mesh, src, dst, tuple(shape), itemsize)
+    steps = reshard_path(mesh, src, dst, tuple(shape), itemsize)
     return math.fsum(mesh.axis_alpha_s(st.axis) for st in steps if st.collective not in ("slice", "zero", "relabel"))
 
 
@@ -164,7 +165,7 @@ def bucket_s(mesh: cm.MeshCost, spec: ShardingSpec, axes, shape, itemsize: int) 
     src, dst = ShardingSpec(tuple(partial)), ShardingSpec(tuple(whole))
     alpha = latency_s(mesh, src, dst, shape, itemsize)
     nbytes = src.local_numel(shape, mesh.mesh_shape) * itemsize
-    return cm.reshard_s(mesh, src, dst, shape, itemsize) - alpha + alpha * nbytes / BUCKET_CAP_BYTES
+    return reshard_s(mesh, src, dst, shape, itemsize) - alpha + alpha * nbytes / BUCKET_CAP_BYTES
 
 
 def bucketed_edge(src_spec: ShardingSpec, want: ShardingSpec, marker_spec: ShardingSpec) -> tuple[int, ...] | None:

@@ -18,6 +18,7 @@ import torch
 
 from alpa_torch.core.grad_op import GRAD_MARKER_NAME
 from intra_ilp import cost_model as cm
+from intra_ilp.reshard_paths import reshard_s
 
 from .layer_parts import bucket_s, bucketed_at_readers, bucketed_edge, latency_s, node_val
 
@@ -90,7 +91,7 @@ class Stitching:
                 continue
             val = node_val(self.fx_nodes[marker])
             shape, itemsize = tuple(val.shape), val.element_size()
-            own = math.fsum(cm.reshard_s(mesh, spec, w, shape, itemsize)
+            own = math.fsum(reshard_s(mesh, spec, w, shape, itemsize)
                             for (_, lr, _), w in zip(readers, wants) if lr == lm)
             layers = [lm, *(lr for _, lr, _ in readers)]
             x_up[min(layers), max(layers)] += bucket_s(mesh, spec, axes, shape, itemsize) - own
@@ -126,7 +127,7 @@ class Stitching:
                 if axes is not None:
                     x_up[min(la, lb), max(la, lb)] += bucket_s(mesh, marker_spec, axes, shape, itemsize)
                     continue
-            cost = cm.reshard_s(mesh, spec_src, spec_dst, shape, itemsize)
+            cost = reshard_s(mesh, spec_src, spec_dst, shape, itemsize)
             (x_up if phase == "update" else x_fb)[min(la, lb), max(la, lb)] += cost
             if phase != "update" and cost > 0:
                 x_lat[min(la, lb), max(la, lb)] += latency_s(mesh, spec_src, spec_dst, shape, itemsize)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from alpa_torch.core.spec import R, S, ShardingSpec, all_specs, chunk_bounds
 from intra_ilp import cost_model as cm
+from intra_ilp import reshard_paths as rs
 from intra_ilp.cost_model import (
     COST_MODEL_VERSION,
     MeshCost,
@@ -27,10 +28,8 @@ from intra_ilp.cost_model import (
     compute_s,
     p2p_s,
     reducescatter_s,
-    reshard_matrix_s,
-    reshard_path,
-    reshard_s,
 )
+from intra_ilp.reshard_paths import reshard_matrix_s, reshard_path, reshard_s
 
 
 def mesh_cost(shape=(2, 4), alpha=(10.0, 1.0), beta=(2.0, 1.0), **kw) -> MeshCost:
@@ -321,8 +320,8 @@ def test_every_path_really_reshards(case, seed):
 
 def _world(m, a, b, shape, itemsize) -> bool:
     """Whether the runtime moves ``a`` to ``b`` with one collective over the whole cluster."""
-    return cm._world_path(m, cm._key(m, a, shape), cm._key(m, b, shape),
-                          *cm._canonical(shape, itemsize, m.mesh_shape)) is not None
+    return rs._world_path(m, rs._key(m, a, shape), rs._key(m, b, shape),
+                          *rs._canonical(shape, itemsize, m.mesh_shape)) is not None
 
 
 @settings(max_examples=200, deadline=None)
@@ -362,9 +361,9 @@ def test_canonical_shape_cache_key_is_exact(case):
     m, shape, a, _, itemsize = case
     big = tuple(d * 12 for d in shape) + (24,)  # dims divisible by every mesh here
     for sh in (shape, big):
-        src = cm._placements(a, m.mesh_shape, len(sh))
-        want, _ = cm._shortest_from.__wrapped__(m, src, sh, itemsize)
-        got, _ = cm._shortest_from(m, src, *cm._canonical(sh, itemsize, m.mesh_shape))
+        src = cm.mesh_placements(a, m.mesh_shape, len(sh))
+        want, _ = rs._shortest_from.__wrapped__(m, src, sh, itemsize)
+        got, _ = rs._shortest_from(m, src, *rs._canonical(sh, itemsize, m.mesh_shape))
         assert want.keys() == got.keys() and all(got[k] == pytest.approx(want[k]) for k in want)
 
 

@@ -41,6 +41,7 @@ from alpa_torch.optim import FunctionalOptimizer, LossScaler
 from alpa_torch.plan_cache import cache_key, key_fields
 from alpa_torch.zoo import ZOO, make_batch, make_optimizer, model_loss, train_step
 from intra_ilp import cost_model as cm
+from intra_ilp.reshard_paths import reshard_s
 
 BF16_RTOL = 2.0**-8
 FP16_RTOL = 2.0**-11
@@ -133,8 +134,8 @@ def test_cost_model_prices_low_precision_at_its_peak():
     assert v100.flops_per_s("bfloat16") == v100.flops_per_s("float32"), "no bf16 tensor cores on a V100"
     # Messages are priced by their element size: a bf16 tensor moves half the bytes of fp32.
     spec_p, spec_r = cm.ShardingSpec.parse("RP"), cm.ShardingSpec.parse("RR")
-    full = cm.reshard_s(mesh, spec_p, spec_r, (1024, 1024), 4) - mesh.alpha_s[1]
-    half = cm.reshard_s(mesh, spec_p, spec_r, (1024, 1024), 2) - mesh.alpha_s[1]
+    full = reshard_s(mesh, spec_p, spec_r, (1024, 1024), 4) - mesh.alpha_s[1]
+    half = reshard_s(mesh, spec_p, spec_r, (1024, 1024), 2) - mesh.alpha_s[1]
     assert half == pytest.approx(full / 2)
 
 
