@@ -6,7 +6,8 @@ faster. So ``parallelize`` (``tune=True``, the default) treats its prediction as
 
 - the candidates (``candidates``) are the plan of the search (the stage DP over pipelines
   and submeshes, the ILP on each stage), the searched pipeline at fewer microbatches
-  (``fewer_microbatches``), the best one-stage plan (``pipeline=False``: the
+  (``fewer_microbatches``), where the search chose one stage the pipeline of one stage per
+  device (``deepest_pipeline``) and it at fewer microbatches, the best one-stage plan (``pipeline=False``: the
   ILP's sharding over the whole cluster) and the data-parallel one-stage plan
   (``pipeline=False, sharding=False``: the batch split, state and update replicated, what
   DDP runs), each planned on the same captured graph within the user's options (one the
@@ -57,7 +58,7 @@ STEPS = 4
 """Trial steps per measured candidate."""
 SKIP = 2
 """Trial steps not timed (DTensor's first run, the replay's recording)."""
-TUNE_VERSION = 3
+TUNE_VERSION = 4
 """Part of the cache key of a measured choice: a change of the rules above misses."""
 ENV_VAR = "ALPA_TORCH_TUNE"
 """``ALPA_TORCH_TUNE=0``: the default of ``tune`` is False (the test suite runs so; see tests/conftest.py)."""
@@ -77,7 +78,7 @@ class Candidate:
     """One plan ``parallelize`` may keep."""
 
     label: str
-    """'search', 'N stages, N microbatches', 'one stage' or 'data parallel'."""
+    """'search', 'N stages, N microbatches', 'N stages', 'one stage' or 'data parallel'."""
     plan: ParallelPlan
     measured_s: float | None = None
     """Median step time of the timed trial steps; None: not measured."""
@@ -118,12 +119,31 @@ def fewer_microbatches(searched: ParallelPlan, options: PlanOptions) -> list[tup
     return [(f"{n} stages, {n} microbatches", options.replace(num_stages=n, num_microbatches=n))]
 
 
+def deepest_pipeline(searched: ParallelPlan, cluster: Cluster, options: PlanOptions) -> list[tuple[str, PlanOptions]]:
+    """Where the search chose one stage: the pipeline of one stage per device (as many as there
+    are layers at most), the shape ``torch.distributed.pipelining`` runs, so that a pipeline is
+    always among the candidates. None where the user fixed the stages or ruled pipelines out.
+
+    The search's one-stage choice is the cost model's least reliable: on the shared cores of
+    a local cluster it ranked the GPT's sharded one-stage plan first (132 ms predicted, 470-553
+    measured) where the 4-stage pipeline had measured 155 ms on the same cluster
+    (docs/results/vs_pytorch_2026-11-27_r5_tuning.log, _r6)."""
+    if len(searched.stages) > 1 or not options.pipeline or options.num_stages is not None \
+            or options.submesh is not None:
+        return []
+    k = min(cluster.num_devices, searched.stages[-1].layer_end + 1)
+    return [(f"{k} stages", options.replace(num_stages=k))] if k > 1 else []
+
+
 def candidates(searched: ParallelPlan, graph: OpGraph, cluster: Cluster, options: PlanOptions,
                cache: PlanCache | None, progress: Callable[[str], None] | None = None) -> list[Candidate]:
-    """The searched plan, then the variants' plans that differ from every earlier one."""
+    """The searched plan, then the variants' plans that differ from every earlier one (a pipeline
+    candidate's own ``fewer_microbatches`` right after it)."""
     out = [Candidate("search", searched)]
     seen = [_decisions(searched)]
-    for label, opts in fewer_microbatches(searched, options) + variants(options):
+    todo = fewer_microbatches(searched, options) + deepest_pipeline(searched, cluster, options) + variants(options)
+    while todo:
+        label, opts = todo.pop(0)
         try:
             plan, _ = cached_plan(cache, graph, cluster, opts, progress)
         except PlanError as exc:  # e.g. no one-stage plan fits the memory
@@ -133,6 +153,8 @@ def candidates(searched: ParallelPlan, graph: OpGraph, cluster: Cluster, options
         if decisions not in seen:
             out.append(Candidate(label, plan))
             seen.append(decisions)
+            if opts.num_stages not in (None, 1) and opts.num_microbatches is None:
+                todo[:0] = fewer_microbatches(plan, options)
     return out
 
 

@@ -90,8 +90,27 @@ def test_candidates_differ_and_come_from_the_options(tmp_path):
     graph, cluster, plan = _plans()
     cands = tuner.candidates(plan, graph, cluster, PlanOptions(), cache=None)
     assert cands[0].plan is plan and len({c.label for c in cands}) == len(cands)
-    assert all(len(c.plan.stages) == 1 for c in cands[1:])
     assert len({tuner._decisions(c.plan) for c in cands}) == len(cands)
+    one_stage = [c for c in cands if c.label in ("one stage", "data parallel")]
+    assert one_stage and all(len(c.plan.stages) == 1 for c in one_stage)
+
+
+def test_a_searched_one_stage_plan_is_tried_against_the_pipeline_of_one_stage_per_device():
+    """The issue's 'best pipeline' among the candidates whatever the search chose; not where the
+    user fixed the stages or ruled pipelines out."""
+    from stage_dp.planner import make_plan
+
+    graph, cluster, _ = _plans()
+    one = make_plan(graph, cluster, PlanOptions(pipeline=False))
+    assert tuner.deepest_pipeline(one, cluster, PlanOptions()) == [("2 stages", PlanOptions(num_stages=2))]
+    for opts in (PlanOptions(pipeline=False), PlanOptions(num_stages=1), PlanOptions(submesh=(1, 2))):
+        assert tuner.deepest_pipeline(one, cluster, opts) == []
+    cands = tuner.candidates(one, graph, cluster, PlanOptions(), cache=None)
+    piped = [c for c in cands if c.label.startswith("2 stages")]
+    assert piped and all(len(c.plan.stages) == 2 for c in piped)
+    if piped[0].plan.num_microbatches > 2:  # and it at as few microbatches as stages
+        assert [c.label for c in piped] == ["2 stages", "2 stages, 2 microbatches"]
+        assert piped[1].plan.num_microbatches == 2
 
 
 def test_a_searched_pipeline_is_also_tried_at_as_many_microbatches_as_stages():
