@@ -87,8 +87,10 @@ def send(value: DTensor | torch.Tensor, dst_spec: str, src_mesh: MeshPlacement, 
 
 
 def recv(shape, dtype, src_spec: str, dst_spec: str, src_mesh: MeshPlacement, dst_mesh: MeshPlacement,
-         device_mesh, tag: int, gather: bool = False) -> DTensor:
-    """Receive this device's shard of a value sent with ``send``; returns it as a DTensor."""
+         device_mesh, tag: int, gather: bool = False, dtensor: bool = True) -> DTensor | torch.Tensor:
+    """Receive this device's shard of a value sent with ``send``; returns it as a DTensor, or with
+    ``dtensor=False`` the local shard alone (what a runner on one device, or replaying, reads:
+    wrapping it costs as much CPU as the transfer itself)."""
     from alpa_torch.core.spec import to_dtensor_placements
 
     shape = tuple(shape)
@@ -105,6 +107,8 @@ def recv(shape, dtype, src_spec: str, dst_spec: str, src_mesh: MeshPlacement, ds
         work.wait()
         local[box.relative_to(tile)] = buf
     _gather_within_destination(plan, me, tile, local, tag + _GATHER_TAG)
+    if not dtensor:
+        return local
     placements = to_dtensor_placements(ShardingSpec.parse(dst_spec))
     stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
     return DTensor.from_local(local, device_mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)

@@ -101,13 +101,14 @@ class PipelineRunner:
         for i, c in self.crossings:
             if c.dst == self.stage and c.consumed == phase and c.value not in env:
                 shape, dtype = self.value_meta[c.value]
-                value = comm.recv(shape, getattr(torch, dtype), self._src_spec(c), self._dst_spec(c),
-                                  self.meshes[c.src], self.meshes[c.dst], self.runner.mesh,
-                                  comm.make_tag(i, mb), self.gather[i])
                 r = self.runner
+                plain = (r.local or r.replaying) and not r.learning
+                value = comm.recv(shape, getattr(torch, dtype), self._src_spec(c), self._dst_spec(c),
+                                  self.meshes[c.src], self.meshes[c.dst], r.mesh,
+                                  comm.make_tag(i, mb), self.gather[i], dtensor=not plain)
                 if r.learning:
                     r.meta[c.value] = meta_of(value)
-                env[c.value] = value.to_local() if r.local or r.replaying else value
+                env[c.value] = value.to_local() if not plain and (r.local or r.replaying) else value
 
     def _send(self, env: dict, mb: int, phase: str) -> list:
         works = []

@@ -144,6 +144,22 @@ def test_partition_crossings_flow_forward_then_backward():
         assert stage_of[marker] == stage_of[placeholder[param]]
 
 
+def test_a_gpt_stage_boundary_moves_one_value_each_way():
+    """The backward sends only the activation gradient, as the forward the activation: the view and
+    transpose that a linear layer's weight gradient makes of it run on the stage reading them (they
+    crossed too: three transfers of the same bytes per boundary and microbatch)."""
+    _, _, graph, stage_of, _ = _plan("gpt", FOUR, 2, cheap=False)
+    _, crossings = partition(graph, stage_of, 4)
+    for boundary in range(3):
+        forward = [c for c in crossings if (c.src, c.dst) == (boundary, boundary + 1)]
+        backward = [c for c in crossings if (c.src, c.dst) == (boundary + 1, boundary)]
+        assert [c.produced for c in forward] == ["forward"], forward
+        assert [c.produced for c in backward] == ["backward"], backward
+        shape = graph.nodes[forward[0].value].shape
+        assert graph.nodes[backward[0].value].shape == shape
+        assert graph.nodes[backward[0].value].target not in ("aten.view.default", "aten.t.default")
+
+
 def test_tied_weights_across_stages_are_refused():
     from alpa_torch.zoo import GPT, GPTConfig
 

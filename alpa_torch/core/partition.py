@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from alpa_torch.core.errors import PlanError
 
+from .grad_reductions import LAYOUT_OPS
 from .graph import OpGraph
 
 PHASE_ORDER = {"forward": 0, "backward": 1, "update": 2}
@@ -132,7 +133,38 @@ def stage_of_nodes(graph: OpGraph, layer_of: dict[str, int], layer_ranges: list[
     stage_of = {name: stage_of_layer[layer] for name, layer in layer_of.items()}
     _pull_gradients_to_params(graph, stage_of)
     _updates_on_param_stage(graph, stage_of)
+    _layouts_with_readers(graph, stage_of)
     return stage_of
+
+
+def _layouts_with_readers(graph, stage_of: dict[str, int]) -> None:
+    """Run each layout operator (``LAYOUT_OPS``: a view, reshape or transpose) on its readers' stage.
+
+    Layering puts a layout operator with the value it re-indexes, but its readers may all sit
+    on the next stage: a linear layer's output gradient, made ``[B*T, C]`` and transposed for
+    its weight gradient on the stage before, crossed three times (the gradient, its view and
+    the view's transpose: three transfers of the same bytes per microbatch on every GPT stage
+    boundary). Run with its readers, only the value it re-indexes crosses, once, as the stage
+    DP prices a cut (``LayerAssignment.boundary_bytes``, the same bytes both ways). A move
+    keeps the crossing's direction (forward to later stages, backward to earlier ones);
+    reverse graph order moves a chain of them (``view`` then ``t``) whole."""
+    readers: dict[str, set[str]] = {}
+    outputs = {o.node for o in graph.outputs}
+    for name, node in graph.nodes.items():
+        for u in node.inputs:
+            readers.setdefault(u, set()).add(name)
+    for name in reversed(list(graph.nodes)):
+        node = graph.nodes[name]
+        if (node.target not in LAYOUT_OPS or node.phase not in ("forward", "backward") or len(node.inputs) != 1
+                or name in outputs):
+            continue
+        src = graph.nodes.get(node.inputs[0])
+        stages = {stage_of[r] for r in readers.get(name, ())}
+        if src is None or src.phase != node.phase or len(stages) != 1:
+            continue
+        s, t = stage_of[name], next(iter(stages))
+        if stage_of[src.name] == s and (t > s if node.phase == "forward" else t < s):
+            stage_of[name] = t
 
 
 def _lift(graph, stage_of: dict[str, int], name: str, target: int) -> None:
