@@ -102,13 +102,15 @@ class PipelineRunner:
             if c.dst == self.stage and c.consumed == phase and c.value not in env:
                 shape, dtype = self.value_meta[c.value]
                 r = self.runner
-                plain = (r.local or r.replaying) and not r.learning
+                local = r.local or r.replaying  # the runner reads local shards
                 value = comm.recv(shape, getattr(torch, dtype), self._src_spec(c), self._dst_spec(c),
                                   self.meshes[c.src], self.meshes[c.dst], r.mesh,
-                                  comm.make_tag(i, mb), self.gather[i], dtensor=not plain)
+                                  comm.make_tag(i, mb), self.gather[i], dtensor=r.learning or not local)
                 if r.learning:
                     r.meta[c.value] = meta_of(value)
-                env[c.value] = value.to_local() if not plain and (r.local or r.replaying) else value
+                    if local:
+                        value = value.to_local()
+                env[c.value] = value
 
     def _send(self, env: dict, mb: int, phase: str) -> list:
         works = []

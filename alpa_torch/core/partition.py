@@ -131,13 +131,23 @@ def stage_of_nodes(graph: OpGraph, layer_of: dict[str, int], layer_ranges: list[
         for layer in range(lo, hi + 1):
             stage_of_layer[layer] = k
     stage_of = {name: stage_of_layer[layer] for name, layer in layer_of.items()}
-    _pull_gradients_to_params(graph, stage_of)
+    users = _users(graph)
+    _pull_gradients_to_params(graph, stage_of, users)
     _updates_on_param_stage(graph, stage_of)
-    _layouts_with_readers(graph, stage_of)
+    _layouts_with_readers(graph, stage_of, users)
     return stage_of
 
 
-def _layouts_with_readers(graph, stage_of: dict[str, int]) -> None:
+def _users(graph) -> dict[str, list[str]]:
+    """Node -> the nodes reading it (once per input slot)."""
+    users: dict[str, list[str]] = {}
+    for name, node in graph.nodes.items():
+        for u in node.inputs:
+            users.setdefault(u, []).append(name)
+    return users
+
+
+def _layouts_with_readers(graph, stage_of: dict[str, int], users: dict[str, list[str]]) -> None:
     """Run each layout operator (``LAYOUT_OPS``: a view, reshape or transpose) on its readers' stage.
 
     Layering puts a layout operator with the value it re-indexes, but its readers may all sit
@@ -148,18 +158,14 @@ def _layouts_with_readers(graph, stage_of: dict[str, int]) -> None:
     DP prices a cut (``LayerAssignment.boundary_bytes``, the same bytes both ways). A move
     keeps the crossing's direction (forward to later stages, backward to earlier ones);
     reverse graph order moves a chain of them (``view`` then ``t``) whole."""
-    readers: dict[str, set[str]] = {}
     outputs = {o.node for o in graph.outputs}
-    for name, node in graph.nodes.items():
-        for u in node.inputs:
-            readers.setdefault(u, set()).add(name)
     for name in reversed(list(graph.nodes)):
         node = graph.nodes[name]
         if (node.target not in LAYOUT_OPS or node.phase not in ("forward", "backward") or len(node.inputs) != 1
                 or name in outputs):
             continue
         src = graph.nodes.get(node.inputs[0])
-        stages = {stage_of[r] for r in readers.get(name, ())}
+        stages = {stage_of[r] for r in users.get(name, ())}
         if src is None or src.phase != node.phase or len(stages) != 1:
             continue
         s, t = stage_of[name], next(iter(stages))
@@ -208,7 +214,7 @@ def _updates_on_param_stage(graph, stage_of: dict[str, int]) -> None:
     stage_of.update(wanted)
 
 
-def _pull_gradients_to_params(graph, stage_of: dict[str, int]) -> None:
+def _pull_gradients_to_params(graph, stage_of: dict[str, int], users: dict[str, list[str]]) -> None:
     """Compute each gradient on its parameter's stage.
 
     A bias gradient reads only the incoming gradient, so layering may put it on
@@ -216,10 +222,6 @@ def _pull_gradients_to_params(graph, stage_of: dict[str, int]) -> None:
     across stages. Moving the gradient marker, and the backward chain that
     feeds only it, down to the parameter's stage keeps backward data flowing
     from later to earlier stages and leaves the update local."""
-    users: dict[str, list[str]] = {}
-    for name, node in graph.nodes.items():
-        for u in node.inputs:
-            users.setdefault(u, []).append(name)
     placeholder = {s.name: s.node for s in graph.inputs if s.kind == "param"}
     for param, marker in graph.grad_of.items():
         target = stage_of[placeholder[param]]
