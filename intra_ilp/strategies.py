@@ -313,11 +313,24 @@ def _node_strategies(node: fx.Node, mesh_shape: tuple[int, int]) -> list[Strateg
         log.debug("DTensor rule for %s failed: %s", node.target, exc)
         found = []
     strategies = _per_unique_input(found, arg_nodes, unique)
+    if node.target in _ONE_AXIS_PER_DIM:
+        strategies = [s for s in strategies if not any(map(_dim_on_two_axes, (*s.inputs, *s.outputs)))]
     if not strategies:
         if node.target is not operator.getitem:
             _warn_fallback(node)
         return [rep]
     return [rep] + [s for s in strategies if s != rep]
+
+
+_ONE_AXIS_PER_DIM = frozenset({aten.convolution.default, aten.convolution_backward.default})
+"""Operators DTensor runs through its own handlers (``torch.distributed.tensor._tp_conv``), which
+read each tensor's ``dim_map`` and reject a dim sharded on two mesh axes that its sharding rule
+offers (``[Shard(0), Shard(0)]``: the batch split over a whole 2-D mesh)."""
+
+
+def _dim_on_two_axes(spec: ShardingSpec | None) -> bool:
+    dims = [p.dim for p in spec.placements if p.kind == "S"] if spec is not None else []
+    return len(dims) != len(set(dims))
 
 
 def _warn_fallback(node: fx.Node) -> None:

@@ -466,6 +466,32 @@ def test_no_strategy_splits_a_dim_into_empty_shards():
             assert strategy.inputs[0].shard_count(mesh_shape, 2) <= 2, (mesh_shape, strategy)
 
 
+def test_no_convolution_strategy_shards_a_dim_on_two_mesh_axes():
+    """DTensor runs convolutions through its own handlers, which reject a tensor dim sharded on
+    both axes of a 2-D mesh (``[Shard(0), Shard(0)]``) that its sharding rule offers: a CNN's
+    automatic plan on 2x2 that chose it failed in every worker at the first step."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from intra_ilp.strategies import node_strategies
+
+    def f(x, w):
+        y = torch.nn.functional.conv2d(x, w, padding=1)
+        y.sum().backward()
+        return y, w.grad
+
+    gm = make_fx(f)(torch.randn(8, 3, 8, 8, requires_grad=True), torch.randn(4, 3, 3, 3, requires_grad=True))
+    convs = [n for n in gm.graph.nodes if n.op == "call_function" and "convolution" in str(n.target)]
+    assert {str(n.target) for n in convs} == {"aten.convolution.default", "aten.convolution_backward.default"}
+    for node in convs:
+        strategies = node_strategies(node, (2, 2))
+        assert any("S(0)" in str(s.inputs[0]) for s in strategies)  # the batch split stays
+        for strategy in strategies:
+            for spec in (*strategy.inputs, *strategy.outputs):
+                dims = [p.dim for p in spec.placements if p.kind == "S"] if spec is not None else []
+                assert len(dims) == len(set(dims)), (node.target, strategy.name)
+
+
 def test_no_strategy_shards_a_dim_the_tensor_lacks():
     """A DTensor rule's row is read against the node's tensors by position; a Shard(d) beyond a
     tensor's rank (on a 0-d value such as a loss, or a row that lists other tensors than the node
