@@ -201,6 +201,14 @@ def test_bf16_parameters_with_the_default_precision():
 
 
 
+def test_bf16_parameters_in_a_pipeline():
+    """AdamW reads a float32 copy of each bfloat16 parameter that nothing before the update reads:
+    the pipeline's update program computes it (it was left to the backward, and the update failed
+    with a KeyError on every worker)."""
+    compare(plain, [_xy(i, dtype=torch.bfloat16) for i in range(3)], make_model=lambda: _mlp(dtype=torch.bfloat16),
+            num_stages=2)
+
+
 def test_a_shared_tensor_goes_whole_to_every_microbatch():
     def masked(model, optimizer, batch):
         x, y, mask = batch

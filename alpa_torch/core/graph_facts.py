@@ -6,7 +6,11 @@ functionalization:
 - update   = every node reachable from a gradient marker or from an optimizer
              state / host scalar input (clipping, the optimizer maths);
 - forward  = ancestors of the loss and of the updated buffers, not update;
-- backward = everything else (what leads to the gradient markers).
+- backward = the other ancestors of the gradient markers;
+- update, too, = what is left: what only the update reads (the float32 copy of a
+             bfloat16 parameter that AdamW's maths reads), which a pipeline must
+             compute in its update program, once a step, not in the backward of each
+             microbatch (it was, and the update program found no such value).
 
 FLOPs use PyTorch's own formulas (``torch.utils.flop_counter``, the table
 behind ``FlopCounterMode``); an operator it does not know is counted as one
@@ -89,8 +93,9 @@ def _phases(gm: fx.GraphModule, inputs, outputs, marker) -> dict[str, str]:
     update = _reach(sources, nodes, forward=True) - markers
     roots = {s.node for s in outputs if s.kind in ("loss", "buffer")}
     forward = _reach(roots, nodes, forward=False) - update
+    backward = _reach(markers, nodes, forward=False) - update - forward
     return {
-        n.name: "update" if n.name in update else "forward" if n.name in forward else "backward"
+        n.name: "forward" if n.name in forward else "backward" if n.name in backward else "update"
         for n in nodes
         if n.op == "call_function"
     }
