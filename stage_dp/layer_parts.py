@@ -10,9 +10,12 @@ summed over layers and stages (``stage_costs``, ``search``).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import operator
 
+import numpy as np
 import torch
 
 from alpa_torch.core.grad_op import GRAD_MARKER_NAME
@@ -129,7 +132,7 @@ def bucketed_edges(instance, choice, ops: set[str], builder, mesh: cm.MeshCost,
     defers, or the marker's readers when the gradient stays partial through it), which
     ``phase_parts`` and ``fixed_fb_parts`` leave out; ``update_s``: one all-reduce of each
     gradient's local summand instead (``bucket_s``). A chain that leaves the layer is
-    ``stitching.Stitching``'s. The ILP's choice is unchanged."""
+    ``stitching.Stitching``'s. The ILP chose by the same prices (``with_bucketed_gradients``)."""
     index = {node.name: i for i, node in enumerate(instance.nodes)}
     chosen = {name: builder.options[name][choice[i]] for name, i in index.items()}
     value_specs = {n: to_dtensor_placements(st.outputs[0]) for n, st in chosen.items()
@@ -153,6 +156,50 @@ def bucketed_edges(instance, choice, ops: set[str], builder, mesh: cm.MeshCost,
         val = node_val(fx_nodes[red.marker])
         update_s.append(bucket_s(mesh, marker, red.axes, tuple(val.shape), val.element_size()))
     return frozenset(edges), math.fsum(update_s)
+
+
+def with_bucketed_gradients(instance, builder, mesh: cm.MeshCost, fx_nodes):
+    """A copy of ``instance`` whose edges into gradient markers cost what the runtime pays for
+    them: where it reduces the gradient in a bucket (``bucketed_edge``), one gradient's share
+    of the bucket (``bucket_s``) instead of a collective of its own with its own α.
+
+    ``bucketed_edges`` prices the solved layer that way; the ILP must choose by the same
+    prices, or it avoids small partial gradients whose reductions cost it an α each and the
+    runtime almost nothing: a GPT's embedding layer on a (2, 1) mesh then ran its embedding
+    and first LayerNorm on the whole batch to keep their gradients replicated, and
+    all-gathered three activation gradients of the whole batch every microbatch for it
+    (the data-parallel step of ``bench/vs_pytorch.py``'s deep GPT on 1x2: about 5 % slower)."""
+    flat = [axis for axis, n in enumerate(mesh.mesh_shape) if n == 1]
+
+    def plain(spec) -> bool:  # no placement on an axis of one device (DTensor runs those its own slow way)
+        return spec is not None and all(spec.placements[axis] == R for axis in flat)
+
+    memo: dict[tuple, np.ndarray] = {}
+    edges = []
+    for edge in instance.edges:
+        dst = instance.nodes[edge.dst].name
+        if str(fx_nodes[dst].target) != GRAD_MARKER_NAME:
+            edges.append(edge)
+            continue
+        src_opts, marker_opts = builder.options[instance.nodes[edge.src].name], builder.options[dst]
+        val = node_val(fx_nodes[dst])
+        key = (id(src_opts), id(marker_opts), tuple(val.shape), val.element_size())
+        if key not in memo:
+            matrix = np.array(edge.reshard_s, dtype=np.float64)
+            for a, st in enumerate(src_opts):
+                have = st.outputs[0] if st.outputs else None
+                for b, marker in enumerate(mk.outputs[0] for mk in marker_opts):
+                    axes = _bucketed_axes(have, marker) if plain(have) and plain(marker) else None
+                    if axes is not None:
+                        matrix[a, b] = bucket_s(mesh, marker, axes, key[2], key[3])
+            memo[key] = matrix
+        edges.append(dataclasses.replace(edge, reshard_s=memo[key]))
+    return dataclasses.replace(instance, edges=tuple(edges))
+
+
+@functools.lru_cache(maxsize=4096)
+def _bucketed_axes(have: ShardingSpec, marker: ShardingSpec) -> tuple[int, ...] | None:
+    return bucketed_edge(have, marker, marker)
 
 
 def bucket_s(mesh: cm.MeshCost, spec: ShardingSpec, axes, shape, itemsize: int) -> float:

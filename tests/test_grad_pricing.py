@@ -115,3 +115,43 @@ def test_a_stage_pays_the_gradient_accumulation_of_every_microbatch_after_the_fi
     fixed = rc.overhead_fb_s[0, last] + rc.latency_fb_s[0, last]
     variable = one - fixed
     assert four - (variable / 4 + fixed) == pytest.approx(expected * 3 / 4, rel=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 2), (2, 2)])
+def test_the_ilp_chooses_by_the_bucketed_prices(graph, shape):
+    """The layer ILPs weigh a gradient reduction at what the runtime pays for it in a bucket, not
+    at a collective with its own α: data parallel then splits the batch from the embedding on,
+    where the ILP used to run the embedding and the first LayerNorm on the whole batch (keeping
+    their small gradients replicated, to dodge their α) and all-gather the blocks' activation
+    gradients of the whole batch for it, every microbatch."""
+    model, cfg, mesh, rc, sharding, last = _stage(graph, shape)
+    fx = {n.name: n for n in graph.gm.graph.nodes}
+    batch = next(s for s in graph.inputs if s.kind == "batch").shape[0]
+    whole = [name for name, facts in graph.nodes.items() if facts.phase != "update"
+             and isinstance(val := fx[name].meta.get("val"), torch.Tensor) and val.dim() == 3
+             and val.shape[0] == batch and sharding.value_specs[name].is_replicated]
+    assert not whole, whole
+
+
+def test_a_layer_is_solved_against_its_neighbours_where_that_stitches_cheaper(graph):
+    """A layer no other shares is re-solved with the reshards at its boundary priced (the specs its
+    neighbours' own solutions give and want): kept only where its own time plus the stitching
+    of every layer prices lower, so the re-solve never prices a stage higher."""
+    from stage_dp.stage_costs import _own_s
+
+    layers = assign_layers(graph, 4)
+    model = StageCostModel(graph, Cluster.local(2, 2), layers)
+    changed = 0
+    for cfg in (c for c in model.configs if c.variant == "fast"):
+        mesh = model.mesh_cost(cfg)
+        own = [model._own_cost(l, cfg) for l in range(layers.num_layers)]
+        mine = [model.layer_cost(l, cfg) for l in range(layers.num_layers)]
+        totals = []
+        for costs in (own, mine):
+            x_fb, x_up, _ = model.stitching.costs(mesh, costs)
+            totals.append(sum(map(_own_s, costs)) + float(x_fb.sum() + x_up.sum()))
+        assert totals[1] <= totals[0] + 1e-12, cfg
+        changed += totals[1] < totals[0]
+        shared = {r for r in model.sigs.rep_of if model.sigs.rep_of.count(r) > 1}
+        assert all(mine[l] is own[l] for l in range(layers.num_layers) if model.sigs.rep_of[l] in shared)
+    assert changed
