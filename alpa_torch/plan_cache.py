@@ -51,8 +51,8 @@ CACHE_VERSION = 10  # 2: tied weights in one stage; 3: activation checkpointing;
 # 5: sharding=False replicates the update (as DDP); 6: layers have a FLOPs floor (balanced pipelines);
 # 7: a stack of repeated blocks is cut between whole blocks; 8: regular cuts of such stacks preferred;
 # 9: views of a weight's cast copy keep its layout (autocast plans); 10: the layer ILPs price gradient
-# reductions as buckets, unshared layers are re-solved against their neighbours, convolutions never
-# shard a dim on two mesh axes, and what only the update reads is update phase
+# reductions as buckets, convolutions never shard a dim on two mesh axes, and what only the update
+# reads is update phase
 ENTRY_FORMAT = "alpa-torch-plan-cache"
 DATA_FORMAT = "alpa-torch-cache-data"
 """An entry holding JSON data beside the plans (``put_data``: a cluster's measured cost corrections)."""

@@ -15,10 +15,7 @@ So we solve one ILP per (distinct layer, mesh) and stitch ranges:
   operators; values from other layers are ILP sources with a free spec; only
   the layer's own operators' compute is counted, see ``layer_parts.phase_parts``;
   its gradient reductions priced as the runtime's buckets run them,
-  ``layer_parts.with_bucketed_gradients``). A layer no other shares (an
-  embedding, a head) is then solved once more with the reshards at its boundary
-  priced from its neighbours' solutions, and that solution kept where it
-  stitches cheaper (``StageCostModel._against_neighbours``);
+  ``layer_parts.with_bucketed_gradients``);
 - x_ab: the resharding between the specs layer a's solution gives a value and
   the input spec layer b's solution wants for it (``cost_model.reshard_s``; ``stitching.py``),
   summed over every edge between layers a and b (both directions). The
@@ -91,7 +88,6 @@ from alpa_torch.core.sharding import StageSharding
 from intra_ilp import cost_model as cm
 from intra_ilp.highs_direct import load_compiler
 from intra_ilp.ilp import min_peak_memory, solve_instance
-from intra_ilp.reshard_paths import reshard_s
 from intra_ilp.stage import build_stage_instance, stage_sharding
 
 from .checkpointing import range_max
@@ -284,7 +280,7 @@ class StageCostModel:
 
     def _fast_cost(self, layer: int, cfg: MeshConfig) -> LayerCost:
         """The fast solution of ``layer`` on ``cfg``'s mesh (solved here if need be)."""
-        return self._own_cost(layer, dataclasses.replace(cfg, variant="fast", layer_budget_bytes=None, bound=False))
+        return self.layer_cost(layer, dataclasses.replace(cfg, variant="fast", layer_budget_bytes=None, bound=False))
 
     def _fast_fits(self, layer: int, cfg: MeshConfig, activation_scale: float) -> bool:
         """'lean' only: the fast solution (solved here) already fits the layer cap."""
@@ -298,25 +294,8 @@ class StageCostModel:
         return key in self._solutions or (key[3] == "lean" and self._fast_fits(layer, cfg, activation_scale))
 
     def layer_cost(self, layer: int, cfg: MeshConfig, activation_scale: float = 1.0) -> LayerCost:
-        """The ILP solution of ``layer`` on ``cfg`` (cached by signature; the fast one of a layer
-        no other shares, re-solved against its neighbours' specs where that stitches cheaper:
-        ``_against_neighbours``); for a ``bound`` column whose ILP is unsolved, its lower bound
-        (module docstring)."""
-        own = self._own_cost(layer, cfg, activation_scale)
-        key = self._solution_key(layer, cfg, activation_scale)
-        if key[3] != "fast" or self.sigs.rep_of.count(self.sigs.rep_of[layer]) > 1:
-            # a shared solution stays shared; a capped one stays what the lazy search's lower
-            # bounds (``MeshConfig.bound``) stand in for
-            return own
-        key += ("neighbours",)
-        if key not in self._solutions:
-            self._solutions[key] = self._against_neighbours(layer, cfg, activation_scale, own)
-        return self._solutions[key]
-
-    def _own_cost(self, layer: int, cfg: MeshConfig, activation_scale: float = 1.0) -> LayerCost:
-        """The ILP solution of ``layer`` alone on ``cfg`` (its sources from other layers take
-        any spec for free), cached by signature; for a ``bound`` column whose ILP is
-        unsolved, its lower bound."""
+        """The ILP solution of ``layer`` on ``cfg`` (cached by signature); for a ``bound``
+        column whose ILP is unsolved, its lower bound (module docstring)."""
         key = self._solution_key(layer, cfg, activation_scale)
         if cfg.bound and not self.solved(layer, cfg, activation_scale):
             return self._fast_cost(layer, cfg).lower_bound()
@@ -385,59 +364,16 @@ class StageCostModel:
         for group in todo:  # the lean ones a job skipped: their fast solution, so no later batch sends them again
             for key, (layer, cfg, scale) in group:
                 if key not in self._solutions:
-                    self._own_cost(layer, cfg, scale)
-
-    def _against_neighbours(self, layer: int, cfg: MeshConfig, scale: float, own: LayerCost) -> LayerCost:
-        """``layer`` re-solved with its boundary priced: each value it reads from another layer
-        pays the reshard from the spec that layer's own solution gives it, each value it hands
-        another layer the reshard into the spec that layer wants. Solved alone, a layer takes
-        its sources from other layers in any spec for free, and the reshards at its boundary
-        are paid only in the stitching (x_ab), which no ILP minimises (on the 8-block GPT of
-        ``bench/vs_pytorch.py`` the embedding and head layers on the (2, 1) and (2, 2) meshes
-        re-solve cheaper). Kept only where the layer's own time plus the stitching of every
-        layer (``Stitching.costs``, the others' own solutions) prices lower than with ``own``.
-        Only layers no other shares: a shared solution serves layers with other neighbours."""
-        edges = [e for e in self.stitching.cross_edges if layer in (e[1], e[3]) and e[4] >= 0]
-        if not edges:
-            return own
-        mesh = self.mesh_cost(cfg)
-        costs = [own if l == layer else self._own_cost(l, cfg, scale) for l in range(self.layers.num_layers)]
-        x_fb, x_up, _ = self.stitching.costs(mesh, costs)
-        if not (x_fb[layer].any() or x_fb[:, layer].any() or x_up[layer].any() or x_up[:, layer].any()):
-            return own  # nothing to reshard at its boundary
-        before = _own_s(own) + float(x_fb.sum() + x_up.sum())
-        _, b = self._instance(self.sigs.rep_of[layer], mesh)
-        extra: dict[str, np.ndarray] = {}
-        for src, la, dst, lb, j, shape, itemsize, _ in edges:
-            # ``src`` is a node of this layer's ILP either way (an unshared layer's names are its own):
-            # its operator when the edge leaves the layer, its source when the edge comes in
-            into = lb == layer
-            spec = self.stitching.spec_of(costs, la, src, -1) if into else self.stitching.spec_of(costs, lb, dst, j)
-            opts = b.options.get(src)
-            if spec is None or opts is None:
-                continue
-            have = [st.outputs[0] if st.outputs else None for st in opts]
-            price = [0.0 if m is None else reshard_s(mesh, spec, m, shape, itemsize) if into
-                     else reshard_s(mesh, m, spec, shape, itemsize) for m in have]
-            extra[src] = extra.get(src, 0.0) + np.array(price)
-        key = self._solution_key(layer, cfg, scale)
-        mine = self._solve(*key[1:5], scale, extra=extra)
-        costs[layer] = mine
-        x_fb, x_up, _ = self.stitching.costs(mesh, costs)
-        return mine if _own_s(mine) + float(x_fb.sum() + x_up.sum()) < before else own
+                    self.layer_cost(layer, cfg, scale)
 
     def _solve(self, rep: int, mesh: cm.MeshCost, variant: str, cap: float | None,
-               scale: float, extra: dict[str, np.ndarray] | None = None) -> LayerCost:
-        """Layer ``rep``'s ILP on ``mesh`` (``variant``, ``cap``); ``extra``: seconds added to the
-        objective per strategy of the named nodes (``_against_neighbours``), not to the layer's costs."""
+               scale: float) -> LayerCost:
         instance, b = self._instance(rep, mesh)
         # b.memory_rows: which nodes are persistent state and which a microbatch keeps (``intra_ilp.stage``)
         persistent, saved = b.memory_rows
         work = with_bucketed_gradients(instance, b, mesh, self.fx_nodes)
         if not self.sharding:
             work = _with_replicated_state(work, b, self.graph)
-        if extra:
-            work = _with_extra_costs(work, extra)
         if variant != "fast":
             work = _with_scaled_memory(work, saved, scale)
             if variant == "min":
@@ -596,18 +532,6 @@ def _with_replicated_state(instance, builder, graph):
             node = dataclasses.replace(node, compute_s=node.compute_s + np.array(penalty))
         nodes.append(node)
     return dataclasses.replace(instance, nodes=tuple(nodes))
-
-
-def _with_extra_costs(instance, extra: dict[str, np.ndarray]):
-    """A copy of ``instance`` whose named nodes cost ``extra[name]`` more per strategy."""
-    nodes = tuple(dataclasses.replace(n, compute_s=n.compute_s + extra[n.name]) if n.name in extra else n
-                  for n in instance.nodes)
-    return dataclasses.replace(instance, nodes=nodes)
-
-
-def _own_s(cost: LayerCost) -> float:
-    """A layer's own seconds in one step at the captured batch."""
-    return cost.compute_fb_s + cost.comm_fb_s + cost.compute_update_s + cost.comm_update_s
 
 
 def _with_scaled_memory(instance, saved: list[int], scale: float):

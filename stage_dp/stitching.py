@@ -82,8 +82,8 @@ class Stitching:
         replaced = set()
         for marker, readers in self._split_markers.items():
             lm = self.layer_of[marker]
-            spec = self.spec_of(layer_costs, lm, marker, -1)
-            wants = [self.spec_of(layer_costs, lr, r, j) for r, lr, j in readers]
+            spec = self._spec(layer_costs, lm, marker, -1)
+            wants = [self._spec(layer_costs, lr, r, j) for r, lr, j in readers]
             if spec is None or not spec.has_partial or any(w is None for w in wants):
                 continue
             axes = bucketed_at_readers(spec, wants)
@@ -98,9 +98,7 @@ class Stitching:
             replaced |= {(marker, r) for r, lr, _ in readers if lr != lm}
         return replaced
 
-    def spec_of(self, layer_costs, layer, name, j):
-        """The spec layer ``layer``'s solution gives value ``name`` (``j`` < 0) or wants for input ``j``
-        of operator ``name`` (None: not in it)."""
+    def _spec(self, layer_costs, layer, name, j):
         sharding = layer_costs[layer].sharding
         rep_name = self.sigs.to_rep[layer].get(name)
         if j < 0:
@@ -119,12 +117,12 @@ class Stitching:
         for src, la, dst, lb, j, shape, itemsize, phase in self.cross_edges:
             if (src, dst) in replaced:
                 continue
-            spec_src = self.spec_of(layer_costs, la, src, -1)
-            spec_dst = self.spec_of(layer_costs, lb, dst, j)
+            spec_src = self._spec(layer_costs, la, src, -1)
+            spec_dst = self._spec(layer_costs, lb, dst, j)
             if spec_src is None or spec_dst is None:
                 continue
             if phase == "gradient":  # reduced once a step, in a bucket (``layer_parts.bucketed_edges``)
-                marker_spec = self.spec_of(layer_costs, lb, dst, -1)
+                marker_spec = self._spec(layer_costs, lb, dst, -1)
                 axes = bucketed_edge(spec_src, spec_dst, marker_spec) if marker_spec is not None else None
                 if axes is not None:
                     x_up[min(la, lb), max(la, lb)] += bucket_s(mesh, marker_spec, axes, shape, itemsize)

@@ -132,26 +132,3 @@ def test_the_ilp_chooses_by_the_bucketed_prices(graph, shape):
              and val.shape[0] == batch and sharding.value_specs[name].is_replicated]
     assert not whole, whole
 
-
-def test_a_layer_is_solved_against_its_neighbours_where_that_stitches_cheaper(graph):
-    """A layer no other shares is re-solved with the reshards at its boundary priced (the specs its
-    neighbours' own solutions give and want): kept only where its own time plus the stitching
-    of every layer prices lower, so the re-solve never prices a stage higher."""
-    from stage_dp.stage_costs import _own_s
-
-    layers = assign_layers(graph, 4)
-    model = StageCostModel(graph, Cluster.local(2, 2), layers)
-    changed = 0
-    for cfg in (c for c in model.configs if c.variant == "fast"):
-        mesh = model.mesh_cost(cfg)
-        own = [model._own_cost(l, cfg) for l in range(layers.num_layers)]
-        mine = [model.layer_cost(l, cfg) for l in range(layers.num_layers)]
-        totals = []
-        for costs in (own, mine):
-            x_fb, x_up, _ = model.stitching.costs(mesh, costs)
-            totals.append(sum(map(_own_s, costs)) + float(x_fb.sum() + x_up.sum()))
-        assert totals[1] <= totals[0] + 1e-12, cfg
-        changed += totals[1] < totals[0]
-        shared = {r for r in model.sigs.rep_of if model.sigs.rep_of.count(r) > 1}
-        assert all(mine[l] is own[l] for l in range(layers.num_layers) if model.sigs.rep_of[l] in shared)
-    assert changed
