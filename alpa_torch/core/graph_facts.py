@@ -4,13 +4,13 @@ Phases come from dataflow, not from trace order, so they survive
 functionalization:
 
 - update   = every node reachable from a gradient marker or from an optimizer
-             state / host scalar input (clipping, the optimizer maths);
+             state / host scalar input (clipping, the optimizer maths), and every
+             node neither forward nor backward: what only the update reads (the
+             float32 copy AdamW's maths makes of a bfloat16 parameter), which a
+             pipeline computes once a step in its update program (as backward it was
+             computed in each microbatch's backward, and the update found no such value);
 - forward  = ancestors of the loss and of the updated buffers, not update;
-- backward = the other ancestors of the gradient markers;
-- update, too, = what is left: what only the update reads (the float32 copy of a
-             bfloat16 parameter that AdamW's maths reads), which a pipeline must
-             compute in its update program, once a step, not in the backward of each
-             microbatch (it was, and the update program found no such value).
+- backward = the other ancestors of the gradient markers.
 
 FLOPs use PyTorch's own formulas (``torch.utils.flop_counter``, the table
 behind ``FlopCounterMode``); an operator it does not know is counted as one
