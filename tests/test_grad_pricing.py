@@ -131,4 +131,3 @@ def test_the_ilp_chooses_by_the_bucketed_prices(graph, shape):
              and isinstance(val := fx[name].meta.get("val"), torch.Tensor) and val.dim() == 3
              and val.shape[0] == batch and sharding.value_specs[name].is_replicated]
     assert not whole, whole
-
