@@ -20,7 +20,9 @@ compiled once with ``compile``:
 - anything else (DTensor, a redistribution first, a random operator): the runner's own
   per-operator function, ``env['x'] = C[9](env)``;
 - markers, bucket collections and graph constants call the runner's hooks, and every
-  value is popped from the environment right after its last reader, as the loop did.
+  value is popped from the environment right after its last reader, as the loop did;
+- a value the runner watches (the loss: ``StageRunner.step`` answers with it early) is
+  handed to its hook as soon as it is computed.
 
 The generated function is ``fn(env, on_grad) -> outputs or None`` with the loop's contract
 (``StageRunner.run``). It holds no tensor: values live in ``env`` only.
@@ -86,12 +88,15 @@ class _Writer:
 
 
 def generate(program: Program, layout: Callable[[Any], Layout | None], general: Callable[[Any], Callable[[dict], Any]],
-             marker: Callable, collect: Callable, constant: Callable) -> Callable[[dict, Any], list | None]:
+             marker: Callable, collect: Callable, constant: Callable,
+             watch: dict[str, Callable[[Any], None]] | None = None) -> Callable[[dict, Any], list | None]:
     """``fn(env, on_grad)`` running ``program`` (module docstring).
 
     ``layout(step)``: the step's direct call, or None; ``general(step)``: ``env -> value`` for the
     others; ``marker(name, src, env, on_grad)``, ``collect(names, env)`` and ``constant(step)``: the
-    runner's handling of gradient markers, bucket collections and graph constants."""
+    runner's handling of gradient markers, bucket collections and graph constants;
+    ``watch[name](value)``: called with value ``name`` right after the step computing it."""
+    watch = watch or {}
     w = _Writer()
     for st in program.steps:
         if st.before:
@@ -110,6 +115,8 @@ def generate(program: Program, layout: Callable[[Any], Layout | None], general: 
             items = [f"env[{a!r}]" if isinstance(a, Ref) else w.const(a) for a in st.target]
             w.emit(f"return [{', '.join(items)}]")
             break
+        if st.name in watch and st.kind in (CALL, GETITEM):
+            w.emit(f"{w.const(watch[st.name])}(env[{st.name!r}])")
         for name in st.free:
             w.emit(f"pop({name!r}, None)")
     source = "def run(env, on_grad):\n    pop = env.pop\n" + "\n".join(w.lines) + "\n    return None\n"

@@ -13,8 +13,10 @@ stage's runner. It loads the model state as wire arrays (``wire.py``: numpy, bit
 whatever the dtype), and each step sends only the batch (cut into microbatches by the
 rule of ``alpa_torch.core.microbatches``) and the host scalars. State stays on the workers
 until ``gather_state``, or each worker writes its own shards of it (``save_shards``,
-format in ``checkpoint.py``). A failed step raises ``WorkerError`` naming the failed
-device and its stage (``stage_failure``); the ``WorkerGroup`` has then shut itself down.
+format in ``checkpoint.py``). A step returns its loss when the forward has it; the rest of
+the step overlaps the driver's next call (``worker.DeviceWorker.run_early``). A failed step
+raises ``WorkerError`` naming the failed device and its stage (``stage_failure``); the
+``WorkerGroup`` has then shut itself down.
 """
 
 from __future__ import annotations
@@ -33,12 +35,15 @@ from alpa_torch.core.schedule import compute_order
 from alpa_torch.core.sharding import StageSharding
 
 from .group import WorkerGroup
-from .interpreter import serialize_graph
+from .interpreter import serialize_graph, switch_on
 from .loss_parts import total_loss
 from .state_sources import Values
 from .wire import from_wire, to_wire_dict
 
 log = logging.getLogger(__name__)
+EARLY_ANSWER_ENV = "ALPA_TORCH_EARLY_ANSWER"
+"""``ALPA_TORCH_EARLY_ANSWER=0`` in the driver's environment: a step returns only when every worker
+has finished its update, so an error in a backward is raised by the step that ran it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,10 +101,10 @@ class _OneStage:
     def __init__(self, runner, recorder):
         self.runner, self.recorder = runner, recorder
 
-    def step(self, microbatches: list[dict], scalars: dict):
+    def step(self, microbatches: list[dict], scalars: dict, answer=None):
         self.recorder.begin_step()
         with self.recorder.span("step", "step"):  # forward, backward and update: one program
-            return self.runner.step(microbatches[0], scalars)
+            return self.runner.step(microbatches[0], scalars, answer)
 
 
 def _release(state: dict) -> None:
@@ -168,8 +173,9 @@ def _load(state: dict, sources: list, metas: dict) -> bool:
     return True
 
 
-def _step(state: dict, microbatches: list, scalars: dict):
-    return state["program"].step(microbatches, scalars)
+def _step(state: dict, microbatches: list, scalars: dict, answer=None):
+    """One step; ``answer(loss)`` as soon as this rank has its part of the loss (``run_early``)."""
+    return state["program"].step(microbatches, scalars, answer)
 
 
 def _gather(state: dict) -> dict | None:
@@ -340,10 +346,13 @@ class Engine:
                 for i in range(m)]
 
     def step(self, batch: dict[str, np.ndarray], scalars: dict[str, float]) -> float:
-        """One training step on the batch (wire arrays); its loss."""
+        """One training step on the batch (wire arrays); its loss, returned once the forward has it:
+        the workers' backward and update go on while the caller prepares the next step, and a
+        failure there is raised by the next call on the workers (``DeviceWorker.run_early``)."""
         microbatches = self.split(with_loss_norms(self.graph, batch, self.num_microbatches))
         try:
-            results = self.group.call_all(_step, microbatches, scalars, timeout_s=self.step_timeout_s)
+            results = self.group.call_all(_step, microbatches, scalars, timeout_s=self.step_timeout_s,
+                                          answer_early=switch_on(EARLY_ANSWER_ENV))
         except WorkerError as exc:
             raise stage_failure(exc, [st.ranks for st in self.stages]) from exc
         if not self.pipelined:

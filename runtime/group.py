@@ -156,12 +156,14 @@ class WorkerGroup:
         return [info.pid for info in self.infos]
 
     def call_all(self, fn: Callable[..., Any], *args: Any, per_rank_args: Sequence[Sequence[Any]] | None = None,
-                 timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+                 timeout_s: float | None = None, answer_early: bool = False, **kwargs: Any) -> list[Any]:
         """``fn(state, *args, *per_rank_args[rank], **kwargs)`` on every rank; results in rank order.
 
         ``fn`` runs inside the worker with its persistent ``state`` dict; tensors in
         results come back as numpy. Any failure, death or timeout raises ``WorkerError``
-        and shuts the group down.
+        and shuts the group down. With ``answer_early``, ``fn(state, ..., answer=answer)`` may hand
+        back its result before it ends (``DeviceWorker.run_early``): an error after that is
+        raised by the rank's next call.
         """
         self._check_open()
         n = self.world_size
@@ -171,7 +173,8 @@ class WorkerGroup:
         fn_bytes = cloudpickle.dumps(fn)  # pickled once, the same bytes to every rank
         shared = [_put_if_large(a) for a in args] if n > 1 else list(args)
         shared_kw = {k: _put_if_large(v) for k, v in kwargs.items()} if n > 1 else kwargs
-        refs = [actor.run.remote(fn_bytes, *shared, *(per_rank_args[r] if per_rank_args else ()), **shared_kw)
+        refs = [(actor.run_early if answer_early else actor.run).remote(
+                    fn_bytes, *shared, *(per_rank_args[r] if per_rank_args else ()), **shared_kw)
                 for r, actor in enumerate(self._actors)]
         return self._gather_or_close(refs, range(n), timeout_s, _name(fn))
 

@@ -94,8 +94,9 @@ DONATE_ENV = "ALPA_TORCH_DONATE"
 """``ALPA_TORCH_DONATE=0``: no operator runs in place on a dead input (``donation.py``)."""
 
 
-def _switch(name: str) -> bool:
-    """A debugging switch of the workers' environment, on unless set to 0; read when a runner is made."""
+def switch_on(name: str) -> bool:
+    """A debugging switch of the environment (the workers', or the driver's where it says so), on
+    unless set to 0; read when a runner is made, or where the driver uses it."""
     return os.environ.get(name, "1") != "0"
 FULL_BATCH = "full batch"
 """``env[(FULL_BATCH, node)]``: the whole batch leaf ``node`` as it arrived (every device receives
@@ -119,6 +120,10 @@ class StageRunner:
                             for k, v in input_specs.items()}
         self.inputs = io["inputs"]  # [(kind, name, node)]
         self.outputs = io["outputs"]
+        self._loss_node = next((node for kind, _, node in self.outputs if kind == "loss"), None)
+        self._answer: Callable[[Any], None] | None = None
+        """During ``step``: where the loss goes as soon as the forward computed it (``_loss_ready``)."""
+        self._early_loss: float | LossPart | None = None
         self.stored_node = {(kind, name): node for kind, name, node in self.inputs}
         self._state_node = {name: node for kind, name, node in self.inputs if kind in ("param", "buffer", "opt_state")}
         self._state: dict[str, DTensor | torch.Tensor] = {}
@@ -136,14 +141,14 @@ class StageRunner:
         """A 2-D mesh of every rank: values partial / sharded over both axes become replicated in one
         collective over the default group, not one per axis (``grad_buckets.replicate_over_world``)."""
         self._constants: dict[str, Any] = {}
-        self.replay_enabled = _switch(REPLAY_ENV)
+        self.replay_enabled = switch_on(REPLAY_ENV)
         """Whether the first step learns a replay on local tensors (``replay.py``)."""
         self.replaying = False
         """After the first step: operators replayed on local tensors."""
         self.replay: dict[str, StepReplay] = {}
         self.meta: dict[str, Any] = {}
         """Name -> ``ValueMeta`` of every value seen while learning."""
-        self.donate_enabled = _switch(DONATE_ENV)
+        self.donate_enabled = switch_on(DONATE_ENV)
         """Whether operators may run in place on dead inputs (``donation.py``); set before the first step."""
         self._owned: set[str] = set()
         """State nodes whose tensors this runner owns outright (state memory a step may donate)."""
@@ -275,8 +280,11 @@ class StageRunner:
         if not self.local and any(not p.is_replicate() for p in self.value_specs.get(node, self.rep)):
             env[(FULL_BATCH, node)] = from_wire(value).to(self.device)
 
-    def step(self, batch: dict[str, np.ndarray], scalars: dict[str, float]) -> float | LossPart:
-        """One training step; its loss (``LossPart`` where the plan leaves it partial: ``total_loss``)."""
+    def step(self, batch: dict[str, np.ndarray], scalars: dict[str, float],
+             answer: Callable[[Any], None] | None = None) -> float | LossPart:
+        """One training step; its loss (``LossPart`` where the plan leaves it partial: ``total_loss``),
+        also handed to ``answer`` as soon as the forward has computed it."""
+        self._answer, self._early_loss = answer, None
         self.rng.begin_step()
         env: dict[str, Any] = {}
         for kind, name, node in self.inputs:
@@ -295,7 +303,8 @@ class StageRunner:
         loss, stores = None, []
         for (kind, name, node), value in zip(self.outputs, results):
             if kind == "loss":
-                loss = self._loss_out(self.as_dtensor(node, value))
+                early = self._early_loss
+                loss = early if early is not None else self._loss_out(self.as_dtensor(node, value))
                 continue
             stores.append((kind, name, node, value))
         gathered = self._gather_stores(stores)
@@ -306,7 +315,15 @@ class StageRunner:
             else:
                 self.store(kind, name, node, value)
         self.end_step()
+        self._answer = None
         return loss
+
+    def _loss_ready(self, value) -> None:
+        """The loss, just computed by the forward: to the step's ``answer``, if it has one."""
+        if self._answer is not None:
+            self._early_loss = self._loss_out(self.as_dtensor(self._loss_node, value))
+            answer, self._answer = self._answer, None
+            answer(self._early_loss)
 
     def _loss_out(self, loss) -> float | LossPart:
         """The loss as the driver adds it up: this device's summand where it is a partial sum (or
@@ -412,7 +429,7 @@ class StageRunner:
         if self.local or self.replaying:  # every operator's way of running is settled: straight-line code
             if program.fast is None:
                 program.fast = generate(program, self._layout, self._general, self._marker, self._collect,
-                                        self.constant)
+                                        self.constant, {self._loss_node: self._loss_ready} if self._loss_node else None)
             return program.fast(env, on_grad)
         learning = self.learning and self.replay_enabled  # metadata for the replay: only when learning one
         call = self._call_learn if self.replay_enabled else self._call_dist
@@ -434,6 +451,8 @@ class StageRunner:
                 return [env[a] if isinstance(a, Ref) else a for a in st.target]
             if learning and kind != MARKER and st.name in env:
                 self.meta[st.name] = meta_of(env[st.name])
+            if st.name == self._loss_node and kind in (CALL, GETITEM):
+                self._loss_ready(env[st.name])
             for name in st.free:
                 env.pop(name, None)
         return None

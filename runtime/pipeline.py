@@ -6,7 +6,9 @@ phase the worker receives the crossings that phase reads and sends the ones it
 produced (``comm.py``: exact tiles, tagged, non-blocking sends). Gradients
 (the ``alpa.grad`` values) are summed over microbatches and divided by their
 number, which equals the full-batch gradient of a mean loss; the update runs
-once on the result. The loss is the mean of the microbatch losses.
+once on the result. The loss is the mean of the microbatch losses; each stage answers
+the driver after its last forward (the loss stage with the loss), so the driver's next
+step is on its way during the backward drain and the update.
 
 Memory: each phase is a compiled ``Program`` whose values are freed after their
 last reader; a forward value survives only if this stage's backward reads it,
@@ -151,19 +153,22 @@ class PipelineRunner:
                                                    if rec[0] == "get_attr" and rec[1] in reads]).steps
         return steps
 
-    def step(self, microbatches: list[dict], scalars: dict) -> float | None:
+    def step(self, microbatches: list[dict], scalars: dict, answer=None) -> float | None:
+        """One step of this stage; its loss on the loss stage (else None), also handed to ``answer``
+        after the stage's last forward (``worker.DeviceWorker.run_early``)."""
         r, n_mb = self.runner, len(microbatches)
         envs: dict[int, dict] = {}
         self._grads: dict[str, Any] = {}
         self._partials: dict[str, torch.Tensor] = {}
         last_mb = [mb for kind, mb in self.order if kind == "B"][-1]
+        last_forward = max(i for i, (kind, _) in enumerate(self.order) if kind == "F")
         r.rng.begin_step()
         rec = self.recorder
         rec.begin_step()
         if r.buckets is not None:
             r.buckets.begin(scale=n_mb if self.combine == "mean" else 1)
         works, losses, last = [], [], None
-        for kind, mb in self.order:
+        for at, (kind, mb) in enumerate(self.order):
             if kind == "F":
                 env = envs[mb] = self._base_env(scalars, microbatches[mb])
                 phase = "forward"
@@ -182,6 +187,8 @@ class PipelineRunner:
                     works += self._send(env, mb, phase)
             if phase == "forward" and self.loss_node is not None:
                 losses.append(float(_full(r.as_dtensor(self.loss_node, env[self.loss_node]))))
+            if at == last_forward and answer is not None:
+                answer(self._combined(losses))
             for name in self.after[phase]:
                 env.pop(name, None)
             if phase == "backward":
@@ -205,6 +212,10 @@ class PipelineRunner:
                 for work, _ in works:
                     work.wait()
         r.end_step()
+        return self._combined(losses)
+
+    def _combined(self, losses: list[float]) -> float | None:
+        """The step's loss from its microbatches' (None on a stage without the loss)."""
         if not losses:
             return None
         return float(np.mean(losses) if self.combine == "mean" else np.sum(losses))

@@ -45,3 +45,37 @@ def test_generated_program_runs_like_the_records():
         assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1]) and out[2] == 7
         # every value but the outputs, the inputs included, popped after its last reader
         assert set(env) == {a for a in program.steps[-1].target if isinstance(a, str)}
+
+
+def test_a_watched_value_reaches_its_hook_when_computed():
+    """``generate(..., watch=...)``: the hook gets the value right after the step computing it (the
+    loss a step answers with early, ``StageRunner._loss_ready``), before any later step runs."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from runtime.codegen import generate
+    from runtime.program import CALL, compile_program, record_target, serialize_graph
+
+    def f(x):
+        loss = (x * 3).sum()
+        return loss, torch.exp(x)
+
+    x = torch.randn(4)
+    gm = make_fx(f)(x)
+    records = [(op, name, record_target(t) if op == "call_function" else t, a, k, i)
+               for op, name, t, a, k, i in serialize_graph(gm)]
+    program = compile_program(records, "alpa.grad")
+    loss = next(st.name for st in program.steps if st.kind == CALL and st.target is torch.ops.aten.sum.default)
+    seen = []
+
+    def general(st):
+        def call(values):
+            seen.append(st.name)
+            args, kwargs = st.resolve([values[a] for a in st.inputs])
+            return st.target(*args, **kwargs)
+        return call
+
+    run = generate(program, lambda st: None, general, None, None, None,
+                   watch={loss: lambda v: seen.append(("watched", float(v)))})
+    out = run({"x_1": x}, None)
+    i = seen.index(loss)
+    assert seen[i + 1] == ("watched", float(out[0])) and "exp" in seen[i + 2]

@@ -173,12 +173,17 @@ def test_tuned_step_trains_as_eager_and_its_choice_is_cached(tmp_path):
 
 
 def _tensor_bytes_only_collecting_frees(state: dict) -> int:
-    """Bytes of tensor storage on this worker that only Python's cyclic collector would free."""
+    """Bytes of tensor storage on this worker that only Python's cyclic collector would free: the
+    tensors among what it finds unreachable (``DEBUG_SAVEALL`` keeps them to be counted). Comparing
+    the tensors alive before and after a collection instead would also count any a C++ thread lets
+    go of meanwhile (gloo's, just after a gradient bucket's reduction completed)."""
     import gc
 
-    def live() -> int:
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
         storages = {}
-        for obj in gc.get_objects():
+        for obj in gc.garbage:
             if isinstance(obj, torch.Tensor) and obj.layout == torch.strided and obj.device.type != "meta":
                 try:
                     st = obj.untyped_storage()
@@ -186,10 +191,9 @@ def _tensor_bytes_only_collecting_frees(state: dict) -> int:
                 except RuntimeError:  # a wrapper subclass (DTensor): its local tensor is counted itself
                     continue
         return sum(storages.values())
-
-    before = live()
-    gc.collect()
-    return before - live()
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(0)
 
 
 def _disable_automatic_collection(state: dict) -> None:

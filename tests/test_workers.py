@@ -106,6 +106,46 @@ def test_error_in_callable_names_rank_and_shuts_down(ray_session):
     assert _wait_gone(pids) == []
 
 
+def test_an_early_answer_returns_before_the_rest_and_the_next_call_waits_for_it():
+    """``run_early`` (a step answers with its loss after the forward) on a worker in this process:
+    the answer comes back while the rest still runs, and the next call starts only after it."""
+    import threading
+
+    from runtime.worker import DeviceWorker
+
+    w = DeviceWorker(0, 0, threads=1)
+    release, log = threading.Event(), []
+
+    def step(state, x, answer):
+        answer(x + 1)
+        release.wait(10)  # the "backward and update", held until the test lets it go
+        log.append("rest done")
+        return "final"
+
+    assert w.run_early(step, 41) == 42
+    assert log == []  # the answer came first
+    threading.Timer(0.2, release.set).start()
+    assert w.run(lambda state: list(log)) == ["rest done"]  # the next call saw the finished rest
+    assert w.run_early(lambda state, answer: "never answered") == "never answered"  # no answer: its result
+
+
+def test_a_failure_after_the_early_answer_is_raised_by_the_next_call(ray_session):
+    g = WorkerGroup.start(Cluster.local(1, 2), timeout_s=120)
+    pids = g.pids()
+
+    def answer_then_fail_on_rank_1(state, *, answer):
+        answer(state["rank"])
+        if state["rank"] == 1:
+            raise ValueError("backward broke on purpose")
+        return state["rank"]
+
+    assert g.call_all(answer_then_fail_on_rank_1, answer_early=True, timeout_s=30) == [0, 1]
+    with pytest.raises(WorkerError, match=r"rank\(s\) \[1\][\s\S]*StepRestError: the previous call failed after it "
+                                          r"had answered[\s\S]*ValueError: backward broke on purpose"):
+        g.call_all(lambda state: state["rank"], timeout_s=30)
+    assert _wait_gone(pids) == []
+
+
 def test_killed_worker_raises_worker_error_naming_rank(ray_session):
     g = WorkerGroup.start(Cluster.local(1, 2), timeout_s=120)
     pids = g.pids()
