@@ -565,6 +565,12 @@ def parallelize(train_step: Callable | Cluster | None = None, cluster: Cluster |
     restart waits ``host_timeout_s`` (default 60) for a lost host to come back, then
     plans again for the hosts left and continues there from the checkpoint.
 
+    A step returns its loss as soon as the workers' forward has it; their backward and
+    update run on while the caller prepares the next step, and an error there is raised by
+    the next call that reaches the workers (the next step, ``sync``, ``state_dict``, a
+    save), naming the step's rank and error. ``ALPA_TORCH_EARLY_ANSWER=0`` in the
+    environment makes each step return only after its update (``runtime/worker.py``).
+
     A model built on the meta device (``alpa_torch.empty_weights()``): ``weights`` (a
     directory of safetensors files, Hugging Face's layout) or ``init_fn`` (called on each
     module after its ``reset_parameters``) give its values on the workers, each reading
