@@ -11,9 +11,10 @@ the workers; the compiler and executor build what they run).
 
 A step answers early (``run_early``): the callable hands the driver its result (the
 loss, once the forward has computed it) and runs on in the worker's step thread, so the
-driver's next call is on its way while this one finishes its backward and update; every
-later call on the worker waits for that rest first and raises its error, if it had one.
-Ray runs an actor's calls one at a time, so nothing else ever sees a half-finished step.
+driver's next call is on its way while this one finishes its backward and update. Ray
+runs an actor's calls one at a time, and each later ``run``, ``run_early`` or ``shutdown``
+first waits for that rest and raises its error, if it had one, so no callable of the
+driver's ever sees a half-finished step (``info`` and ``ping`` read no state and do not wait).
 
 Arrays cross Ray as numpy (docs/design.md: a 16 MiB tensor pickles in 68 ms, the
 numpy array is read zero-copy in 12 ms): ``run`` turns torch tensors in a
