@@ -35,15 +35,13 @@ from alpa_torch.core.schedule import compute_order
 from alpa_torch.core.sharding import StageSharding
 
 from .group import WorkerGroup
-from .interpreter import serialize_graph, switch_on
+from .interpreter import serialize_graph
 from .loss_parts import total_loss
 from .state_sources import Values
+from .switches import EARLY_ANSWER_ENV, switch_on
 from .wire import from_wire, to_wire_dict
 
 log = logging.getLogger(__name__)
-EARLY_ANSWER_ENV = "ALPA_TORCH_EARLY_ANSWER"
-"""``ALPA_TORCH_EARLY_ANSWER=0`` in the driver's environment: a step returns only when every worker
-has finished its update, so an error in a backward is raised by the step that ran it."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,8 +39,6 @@ It needs a default process group (gloo or NCCL) spanning the mesh's ranks.
 from __future__ import annotations
 
 import logging
-import math
-import os
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -64,11 +62,10 @@ from .grad_buckets import (
     find_reductions,
     gather_replicated,
     mesh_is_world,
-    plain_partial,
     replicate_over_world,
     shard_to_shard,
 )
-from .loss_parts import LossPart
+from .loss_parts import LossPart, device_part
 from .program import (
     CALL,
     GET_ATTR,
@@ -85,19 +82,10 @@ from .program import (
 from .replay import InputMeta, StepReplay, agree, check_local, local_layout, meta_of, run_local, to_local, wrap
 from .rng import RandomStream, is_random
 from .state_sources import shard
+from .switches import DONATE_ENV, REPLAY_ENV, switch_on
 from .wire import Bits, from_wire
 
 log = logging.getLogger(__name__)
-REPLAY_ENV = "ALPA_TORCH_REPLAY"
-"""``ALPA_TORCH_REPLAY=0`` in a worker's environment: every step runs every operator through DTensor."""
-DONATE_ENV = "ALPA_TORCH_DONATE"
-"""``ALPA_TORCH_DONATE=0``: no operator runs in place on a dead input (``donation.py``)."""
-
-
-def switch_on(name: str) -> bool:
-    """A debugging switch of the environment (the workers', or the driver's where it says so), on
-    unless set to 0; read when a runner is made, or where the driver uses it."""
-    return os.environ.get(name, "1") != "0"
 FULL_BATCH = "full batch"
 """``env[(FULL_BATCH, node)]``: the whole batch leaf ``node`` as it arrived (every device receives
 all of it), where the plan shards it: a redistribution of it to replicated is a lookup."""
@@ -326,19 +314,8 @@ class StageRunner:
             answer(self._early_loss)
 
     def _loss_out(self, loss) -> float | LossPart:
-        """The loss as the driver adds it up: this device's summand where it is a partial sum (or
-        average) over the mesh, else its value (replicated here, by a collective if need be)."""
-        if not isinstance(loss, DTensor):
-            return float(loss)
-        placements = loss.placements
-        if all(p.is_replicate() or (plain_partial(p) and p.reduce_op in ("sum", "avg")) for p in placements) \
-                and any(p.is_partial() for p in placements):
-            coords = self.mesh.get_coordinate()
-            counted = all(c == 0 for c, p in zip(coords, placements) if p.is_replicate())
-            divisor = math.prod(self.mesh.size(a) for a, p in enumerate(placements)
-                                if p.is_partial() and p.reduce_op == "avg")
-            return LossPart(float(loss.to_local()), counted, divisor)
-        return float(self.place(loss, self.rep).to_local())
+        """The loss as the driver adds it up (``loss_parts.device_part``)."""
+        return device_part(loss, self.mesh, lambda value: self.place(value, self.rep))
 
     def enter(self, env: dict[str, Any]) -> None:
         """Values the caller put in ``env``: noted while learning, local tensors when replaying."""
