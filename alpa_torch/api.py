@@ -277,8 +277,9 @@ class ParallelStep(ResilientStep):
             self.engine.record(self.trace)
             return observations
 
-        kept = tuner.select(cands, lambda plan: self._use(plan, model, optimizer, batch, sources),
-                            lambda: self.engine.step(leaves, scalars), observe)
+        kept = tuner.select(cands, lambda plan, fresh: self._use(plan, model, optimizer, batch, sources, fresh),
+                            lambda: self.engine.step(leaves, scalars), observe,
+                            lambda: max(self.engine.memory_peaks()))
         tuner.store_choice(self.plan_cache, self.graph, self.cluster, self.options, cands, kept)
         corrections = calibration.fit([ob for c in cands for ob in c.observations])
         calibration.store(self.plan_cache, self.cluster, corrections)
@@ -290,10 +291,15 @@ class ParallelStep(ResilientStep):
         if self.progress is not None:
             self.progress(text)
 
-    def _use(self, plan: ParallelPlan, model, optimizer, batch, sources: list) -> None:
-        """Deploy ``plan`` on the running workers and load the state ``sources`` give into it."""
+    def _use(self, plan: ParallelPlan, model, optimizer, batch, sources: list, fresh: bool = False) -> None:
+        """Deploy ``plan`` on the running workers (on new ones if ``fresh``: none of the memory the
+        earlier plans left) and load the state ``sources`` give into it."""
         self.plan = plan
         self.run_graph = self._runtime_graph(model, optimizer, batch)
+        if fresh:
+            self._stop_workers()
+            self._launch(sources)
+            return
         self.engine = self._deploy()
         self.engine.load(sources)
 
@@ -541,7 +547,8 @@ def parallelize(train_step: Callable | Cluster | None = None, cluster: Cluster |
     layer, or a number of bytes per device the stages must fit in), ``tune`` (default
     True unless ``$ALPA_TORCH_TUNE`` is 0: where the cost model cannot tell the searched
     plan, the best one-stage plan and the data-parallel plan apart, the first call runs
-    each for a few steps on the cluster and keeps the fastest measured, remembered in the
+    each for a few steps on the cluster and keeps the fastest measured that fits the device
+    memory as measured, remembered in the
     plan cache; ``step.tuning`` lists them; ``alpa_torch.tune``), ``trace`` (default False:
     True records when each worker ran each forward, backward, update, transfer and gradient
     reduction of a step; ``step.measured_trace(path)`` gives the last step's as a Perfetto

@@ -21,7 +21,15 @@ faster. So ``parallelize`` (``tune=True``, the default) treats its prediction as
   and the corrections those records give are stored for the cluster, so later plannings on it
   price stages at the measured rates; planned with such corrections, the candidates are
   measured within ``CALIBRATED_MARGIN`` only;
-- the fastest measured is kept, the initial state loaded into it, and training starts.
+- each measured candidate's memory is measured too (the most any of its devices held,
+  ``runtime/device_memory.py``); one that measured over the memory the plan may use per
+  device (``ParallelPlan.memory_budget_bytes``) is not kept, whatever its speed: the
+  simulation that let it in counts the plan's tensors, not the runtime's own memory nor
+  what the allocator keeps (on the 256 MiB workload of ``bench/vs_pytorch.py`` one-stage
+  plans simulated at 74-186 MB measured 315-534 MB);
+- the fastest measured that fits is kept, the initial state loaded into it, and training starts;
+  where none fits, the one that needed the least memory is kept, on new workers (a trial
+  measures what earlier trials left in its workers too), with a warning.
   The choice and its measurements are stored in the plan cache beside the searched plan
   (``tuned_fields``), so the next run of this step on this cluster takes it at once.
 
@@ -50,6 +58,8 @@ from .plan_cache import PlanCache, cached_plan, key_fields, plan_decisions
 
 log = logging.getLogger(__name__)
 
+_MiB = 2**20
+
 MARGIN = 2.0
 """A candidate predicted slower than ``MARGIN`` x the fastest prediction is not measured."""
 CALIBRATED_MARGIN = 1.25
@@ -58,7 +68,7 @@ STEPS = 4
 """Trial steps per measured candidate."""
 SKIP = 2
 """Trial steps not timed (DTensor's first run, the replay's recording)."""
-TUNE_VERSION = 4
+TUNE_VERSION = 5
 """Part of the cache key of a measured choice: a change of the rules above misses."""
 ENV_VAR = "ALPA_TORCH_TUNE"
 """``ALPA_TORCH_TUNE=0``: the default of ``tune`` is False (the test suite runs so; see tests/conftest.py)."""
@@ -82,6 +92,8 @@ class Candidate:
     plan: ParallelPlan
     measured_s: float | None = None
     """Median step time of the timed trial steps; None: not measured."""
+    measured_bytes: float | None = None
+    """The most memory one of its devices held in its trial (deployment, state, steps); None: not measured."""
     note: str = ""
     """Why it was not measured, or why it was kept."""
     observations: list[dict] = dataclasses.field(default_factory=list)
@@ -89,7 +101,13 @@ class Candidate:
 
     def to_dict(self, kept: bool) -> dict:
         return {"label": self.label, "plan": self.plan.summary(), "predicted_s": self.plan.predicted_step_s,
-                "measured_s": self.measured_s, "note": self.note, "kept": kept}
+                "measured_s": self.measured_s, "predicted_bytes": self.plan.peak_memory_bytes,
+                "measured_bytes": self.measured_bytes, "budget_bytes": self.plan.memory_budget_bytes,
+                "note": self.note, "kept": kept}
+
+    def fits(self) -> bool:
+        """Measured within the memory its plan may use per device (True where not measured)."""
+        return self.measured_bytes is None or self.measured_bytes <= self.plan.memory_budget_bytes
 
 
 def variants(options: PlanOptions) -> list[tuple[str, PlanOptions]]:
@@ -176,32 +194,55 @@ def to_measure(cands: list[Candidate]) -> list[Candidate]:
 
 
 def keep(cands: list[Candidate]) -> Candidate:
-    """The fastest measured candidate (two or more were), with a note saying why it was kept."""
-    best, runner = sorted((c for c in cands if c.measured_s is not None), key=lambda c: c.measured_s)[:2]
-    best.note = (f"fastest measured: {best.measured_s * 1e3:.1f} ms against {runner.measured_s * 1e3:.1f} ms "
-                 f"of the {runner.label} plan")
+    """The fastest measured candidate that fits its device's memory (two or more were measured),
+    with a note saying why it was kept; one that did not fit gets a note saying so. Where none
+    fits, the one that needed the least memory, with a warning (the memory promise is broken)."""
+    measured = sorted((c for c in cands if c.measured_s is not None), key=lambda c: c.measured_s)
+    for c in measured:
+        if not c.fits():
+            c.note = (f"measured {c.measured_bytes / _MiB:.0f} MiB on a device, over the "
+                      f"{c.plan.memory_budget_bytes / _MiB:.0f} MiB the plan may use: not kept")
+    fitting = [c for c in measured if c.fits()]
+    if not fitting:
+        best = min(measured, key=lambda c: c.measured_bytes)
+        best.note = f"none fits: the least memory measured ({best.measured_bytes / _MiB:.0f} MiB), run on new workers"
+        log.warning("no measured plan fitted the device memory (%.0f MiB) in the trial workers, which also hold "
+                    "what the earlier trials left: keeping the %s plan, which needed the least (%.0f MiB), on new "
+                    "workers. If it does not fit there either: activation checkpointing (checkpointing='full'), a "
+                    "smaller memory_budget_bytes to plan within, or more devices",
+                    best.plan.memory_budget_bytes / _MiB, best.label, best.measured_bytes / _MiB)
+        return best
+    best = fitting[0]
+    if best is not measured[0]:  # a faster one did not fit
+        best.note = (f"fastest measured that fits: {best.measured_s * 1e3:.1f} ms (the {measured[0].label} plan "
+                     f"measured {measured[0].measured_s * 1e3:.1f} ms but does not fit)")
+    else:
+        runner = measured[1]
+        best.note = (f"fastest measured: {best.measured_s * 1e3:.1f} ms against {runner.measured_s * 1e3:.1f} ms "
+                     f"of the {runner.label} plan")
     return best
 
 
 def select(cands: list[Candidate], use: Callable[[ParallelPlan], None], step: Callable[[], object],
-           observe: Callable[[ParallelPlan], list[dict]]) -> Candidate:
+           observe: Callable[[ParallelPlan], list[dict]], memory: Callable[[], float]) -> Candidate:
     """The candidate to keep, measured where the predictions are close (module docstring).
 
-    ``cands[0]`` is deployed with the initial state; ``use(plan)`` deploys a plan on the workers and
-    loads the initial state into it; ``step()`` runs one trial step; ``observe(plan)`` runs one more,
-    recorded, and returns ``calibration.observe``'s records of it. On return the
-    kept plan is deployed with the initial state."""
+    ``cands[0]`` is deployed with the initial state; ``use(plan, fresh)`` deploys a plan on the
+    workers (on new ones if ``fresh``) and loads the initial state into it; ``step()`` runs one
+    trial step; ``observe(plan)`` runs one more, recorded, and returns ``calibration.observe``'s
+    records of it; ``memory()`` is the most memory a device of the deployed plan held since it
+    was deployed, in bytes. On return the kept plan is deployed with the initial state."""
     trials = to_measure(cands)
     if len(trials) == 1:  # the cost model tells them apart: nothing to measure
         kept = trials[0]
         kept.note = f"the only candidate predicted within {margin(cands):g}x of the fastest"
         if kept is not cands[0]:
-            use(kept.plan)
+            use(kept.plan, False)
         return kept
     deployed = cands[0]
     for c in trials:
         if c is not deployed:
-            use(c.plan)
+            use(c.plan, False)
             deployed = c
         times = []
         for _ in range(STEPS):
@@ -210,18 +251,24 @@ def select(cands: list[Candidate], use: Callable[[ParallelPlan], None], step: Ca
             times.append(time.perf_counter() - t)
         c.measured_s = statistics.median(times[SKIP:])
         c.observations = observe(c.plan)
+        c.measured_bytes = memory()
     kept = keep(cands)
-    use(kept.plan)  # the trial steps changed the state: load it again
+    # The trial steps changed the state: load it again; in fresh workers where the kept plan's
+    # devices held more than it may use (what the earlier trials left counted in its measurement).
+    use(kept.plan, not kept.fits())
     return kept
 
 
 def report(tuning: list[dict]) -> str:
     """A text table of the candidates (``Candidate.to_dict``): predicted and measured step time,
     which was kept and why."""
-    rows = [("candidate", "plan", "predicted ms", "measured ms", "")]
+    rows = [("candidate", "plan", "predicted ms", "measured ms", "simulated MiB", "measured MiB", "")]
     for t in tuning:
+        measured_mib = t.get("measured_bytes")  # plans cached before memory was measured have none
         rows.append((t["label"] + (" (kept)" if t["kept"] else ""), t["plan"], f"{t['predicted_s'] * 1e3:.1f}",
-                     "-" if t["measured_s"] is None else f"{t['measured_s'] * 1e3:.1f}", t["note"]))
+                     "-" if t["measured_s"] is None else f"{t['measured_s'] * 1e3:.1f}",
+                     "-" if t.get("predicted_bytes") is None else f"{t['predicted_bytes'] / _MiB:.0f}",
+                     "-" if measured_mib is None else f"{measured_mib / _MiB:.0f}", t["note"]))
     return "measured plan selection (tune=True):\n" + "\n".join(text_table(rows, indent="  "))
 
 

@@ -371,8 +371,8 @@ def _worker_rss(state: dict) -> float:
 
 
 def _heap_in_use() -> float:
-    """``runtime.engine.heap_in_use_bytes``; -1 without glibc's ``mallinfo2``."""
-    from runtime.engine import heap_in_use_bytes
+    """``runtime.device_memory.heap_in_use_bytes``; -1 without glibc's ``mallinfo2``."""
+    from runtime.device_memory import heap_in_use_bytes
 
     value = heap_in_use_bytes()
     return -1.0 if value is None else value
@@ -421,6 +421,13 @@ def _worker_reset_peak(state: dict) -> dict:
 
 def _worker_peak(state: dict) -> float:
     return _status_mb("VmHWM")
+
+
+def _worker_lifetime_peak(state: dict) -> float:
+    """The worker's ``VmHWM`` as if the runtime had not reset it between deployments, MiB."""
+    from runtime.device_memory import lifetime_peak_bytes
+
+    return lifetime_peak_bytes(state["device"]) / _MiB
 
 
 # ---------------------------------------------------------------- measuring

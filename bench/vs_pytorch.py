@@ -77,7 +77,7 @@ from _common import (
     parse_measuring_args,
     select,
 )
-from _plans import _ship_by_value, _worker_peak, _worker_rss, dumps, machine_info
+from _plans import _ship_by_value, _worker_lifetime_peak, _worker_rss, dumps, machine_info
 
 from alpa_torch.zoo import make_optimizer
 
@@ -241,7 +241,7 @@ def run_alpa(wl: VsWorkload, cfg: BenchConfig) -> dict:
             t0 = time.perf_counter()
             losses.append(float(step(model, opt, batch)))
             times.append(time.perf_counter() - t0)
-        peak = step.group.call_all(_worker_peak)
+        peak = step.group.call_all(_worker_lifetime_peak)  # the trials' peaks included
         plan = step.plan
         out = {"step_s": statistics.median(times[cfg.warmup_steps:]), "steps_s": times, "losses": losses,
                "mem_mb": [p - b for p, b in zip(peak, base)], "first_step_s": round(times[0], 2),

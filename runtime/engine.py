@@ -34,6 +34,7 @@ from alpa_torch.core.partition import partition
 from alpa_torch.core.schedule import compute_order
 from alpa_torch.core.sharding import StageSharding
 
+from .device_memory import keep_freed_memory, peak_bytes, release_freed
 from .group import WorkerGroup
 from .interpreter import serialize_graph
 from .loss_parts import total_loss
@@ -51,43 +52,6 @@ class StageDeployment:
     ranks: tuple[int, ...]
     mesh_shape: tuple[int, int]
     sharding: StageSharding
-
-
-def keep_freed_memory() -> None:
-    """Worker processes: let glibc reuse freed memory instead of giving it back to the OS.
-
-    The runtime frees every value after its last reader; with glibc's default
-    (dynamic) thresholds the freed top of the heap and large blocks go back to the
-    kernel and the next step faults every page in again: 3,000-11,000 minor faults
-    and +0.03 s of system time per step and device on the GPT benchmark, none for
-    DDP. Blocks up to 32 MiB (glibc's maximum) come from the heap, and the heap is
-    trimmed only above 1 GiB free. Not glibc (``mallopt`` missing): nothing to do."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
-        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        log.debug("mallopt unavailable: allocator left as is")
-
-
-def heap_in_use_bytes() -> float | None:
-    """Bytes glibc's malloc has handed out and not got back (every arena, mmapped blocks
-    included): the live heap, without the freed pages RSS keeps (``keep_freed_memory``).
-    None without glibc's ``mallinfo2``."""
-    import ctypes
-
-    class _MallInfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = _MallInfo2
-    except (OSError, AttributeError):
-        return None
-    info = libc.mallinfo2()
-    return float(info.uordblks + info.hblkhd)
 
 
 # ---------------------------------------------------------------- worker side
@@ -113,12 +77,14 @@ def _release(state: dict) -> None:
     they wait for Python's cyclic collector, which may not run for many steps. Measured
     plan selection deploys several plans on the same workers: without this, each worker
     of the wide GPT on 1x4 kept a replaced trial deployment's state (91 MB of tensors)
-    next to the kept plan's for the whole run."""
+    next to the kept plan's for the whole run. The memory freed goes back to the OS (or
+    the GPU's cache is emptied), so the next deployment's peak is its own (``Engine.memory_peaks``)."""
     import gc
 
     for key in ("program", "runner", "recorder"):
         state.pop(key, None)
     gc.collect()
+    release_freed(state["device"])  # the next deployment measures its own peak (device_memory.py)
 
 
 def _install(state: dict, records_bytes: bytes, setup: dict, stage: int) -> bool:
@@ -155,6 +121,10 @@ def _install(state: dict, records_bytes: bytes, setup: dict, stage: int) -> bool
         setup["loss_node"], setup["gather"], setup["combine"], recorder,
     )
     return True
+
+
+def _memory_peak(state: dict) -> float:
+    return peak_bytes(state["device"], state.get("memory_started", 0.0))
 
 
 def _record(state: dict, on: bool) -> bool:
@@ -287,6 +257,12 @@ class Engine:
             own = [src.only(names) if isinstance(src, Values) else src for src in sources]
             per_rank.append((own, {n: metas[n] for n in names}))
         self.group.call_all(_load, per_rank_args=per_rank)
+
+    def memory_peaks(self) -> list[float]:
+        """Per rank, the most memory its device held since this plan was deployed, in bytes
+        (``device_memory.peak_bytes``: the caching allocator's reserve on GPU, the resident set
+        above the started worker's on CPU)."""
+        return self.group.call_all(_memory_peak)
 
     def record(self, on: bool = True) -> None:
         """Record, on every worker, when each phase, transfer and wait of a step runs (``timeline.py``)."""

@@ -21,8 +21,9 @@ numpy array is read zero-copy in 12 ms): ``run`` turns torch tensors in a
 result into numpy arrays; callables rebuild tensors with ``torch.from_numpy``.
 
 Keys ``run`` callables find in ``state`` (set by the worker, do not overwrite):
-``rank``, ``host_index``, ``world_size`` (after ``init_process_group``) and
-``device`` (``torch.device('cpu')`` or the actor's one GPU).
+``rank``, ``host_index``, ``world_size`` and ``memory_started`` (after
+``init_process_group``; ``device_memory.started_bytes``) and ``device``
+(``torch.device('cpu')`` or the actor's one GPU).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 from ray import cloudpickle
 
+from .device_memory import started_bytes
 from .wire import to_wire
 
 logger = logging.getLogger(__name__)
@@ -111,6 +113,7 @@ class DeviceWorker:
                                                                  is_master=False, timeout=timeout)
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         self.state["world_size"] = world_size
+        self.state["memory_started"] = started_bytes(self.state["device"])  # what a plan's peak counts from
         return True
 
     def run(self, fn: bytes | WorkerFn, *args: Any, **kwargs: Any) -> Any:

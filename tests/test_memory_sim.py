@@ -115,7 +115,7 @@ def test_views_share_their_input_storage():
 
 # ------------------------------------------------------------------ against the runtime
 def _mallinfo():
-    from runtime.engine import heap_in_use_bytes
+    from runtime.device_memory import heap_in_use_bytes
 
     if heap_in_use_bytes() is None:
         pytest.skip("needs glibc's mallinfo2")

@@ -79,11 +79,47 @@ def test_select_measures_each_close_candidate_and_leaves_the_kept_one_deployed(m
     deployed, speed = [plans[0]], {id(plans[0]): 2.0, id(plans[1]): 1.0}
     clock = iter(range(1000))
     monkeypatch.setattr(tuner.time, "perf_counter", lambda: next(clock) * speed[id(deployed[-1])])
-    kept = tuner.select(cands, deployed.append, lambda: None, lambda p: [{"plan": p}])
+    held = {id(plans[0]): 1.0e6, id(plans[1]): 2.0e6}
+    fresh = []
+    kept = tuner.select(cands, lambda p, new: (deployed.append(p), fresh.append(new)), lambda: None,
+                        lambda p: [{"plan": p}], lambda: held[id(deployed[-1])])
     assert kept is cands[1] and cands[2].measured_s is None
     assert cands[0].measured_s == 2.0 and cands[1].measured_s == 1.0
+    assert [c.measured_bytes for c in cands] == [1.0e6, 2.0e6, None]
     assert [c.observations for c in cands] == [[{"plan": plans[0]}], [{"plan": plans[1]}], []]
     assert deployed == [plans[0], plans[1], plans[1]]  # measured, then loaded again with the initial state
+    assert fresh == [False, False]  # it fits: the workers stay
+
+
+def test_a_candidate_measured_over_the_device_memory_is_not_kept_however_fast(caplog):
+    """The simulation lets a plan in; the measurement of its devices' memory can still rule it out."""
+    graph, cluster, plan = _plans()
+    budget = plan.memory_budget_bytes
+    cands = [tuner.Candidate("search", plan), tuner.Candidate("one stage", plan),
+             tuner.Candidate("data parallel", plan)]
+    for c, s, held in zip(cands, (0.3, 0.1, 0.2), (0.5 * budget, 1.5 * budget, 0.9 * budget)):
+        c.measured_s, c.measured_bytes = s, held
+    kept = tuner.keep(cands)
+    assert kept is cands[2] and "fastest measured that fits: 200.0 ms" in kept.note and "one stage" in kept.note
+    assert "over the" in cands[1].note and "not kept" in cands[1].note
+    text = tuner.report([c.to_dict(c is kept) for c in cands])
+    assert "measured MiB" in text and f"{1.5 * budget / 2**20:.0f}" in text
+    for c in cands:  # none fits: the least memory is kept, and the user is told
+        c.measured_bytes = 2 * budget
+    cands[0].measured_bytes = 1.2 * budget
+    with caplog.at_level("WARNING", logger="alpa_torch.tune"):
+        assert tuner.keep(cands) is cands[0]
+    assert "no measured plan fitted the device memory" in caplog.text and "checkpointing" in caplog.text
+    assert "the least memory" in cands[0].note and "new workers" in cands[0].note
+
+
+def test_a_kept_plan_that_did_not_fit_the_trial_workers_runs_on_new_ones():
+    graph, cluster, plan = _plans()
+    cands = [tuner.Candidate("search", plan), tuner.Candidate("one stage", plan)]
+    uses = []
+    kept = tuner.select(cands, lambda p, fresh: uses.append(fresh), lambda: None, lambda p: [],
+                        lambda: 2 * plan.memory_budget_bytes)
+    assert not kept.fits() and uses == [False, True]  # the second trial, then the kept plan on new workers
 
 
 def test_candidates_differ_and_come_from_the_options(tmp_path):
@@ -148,6 +184,7 @@ def test_tuned_step_trains_as_eager_and_its_choice_is_cached(tmp_path):
     for name, p in eager.named_parameters():
         torch.testing.assert_close(state["model"][name], p.detach(), atol=1e-5, rtol=0, msg=name)
     assert len(tuning) >= 2 and sum(t["measured_s"] is not None for t in tuning) >= 2, tuning
+    assert all(t["measured_bytes"] > 0 for t in tuning if t["measured_s"] is not None), tuning
     assert any("measured plan selection" in m for m in messages)
     assert step.plan_source.startswith("measured")
     stored = calibration.load(PlanCache(tmp_path), Cluster.local(1, 2)).cost_correction
@@ -170,6 +207,35 @@ def test_tuned_step_trains_as_eager_and_its_choice_is_cached(tmp_path):
         assert other.plan.cluster["cost_correction"] == stored
     finally:
         other.shutdown()
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_when_no_candidate_fits_as_measured_the_kept_one_trains_as_eager_on_new_workers(tmp_path, caplog):
+    """64 MiB per device: the zoo GPT's plans fit as simulated (a few MiB), but a worker process
+    grows by more than that (the runtime's own memory), so every trial measures over the
+    device; the plan that needed the least is kept, on new workers, and trains equal to eager."""
+    torch.manual_seed(0)
+    model, _ = ZOO["gpt"]()
+    eager = copy.deepcopy(model)
+    opt, eager_opt = make_optimizer("adamw", model), make_optimizer("adamw", eager)
+    cluster = Cluster.local(1, 2, memory_bytes=64 * 2**20)
+    step = parallelize(train_step, cluster, tune=True, plan_cache=str(tmp_path))
+    try:
+        with caplog.at_level("WARNING", logger="alpa_torch.tune"):
+            for i in range(2):
+                batch = make_batch("gpt", 8, seed=i)
+                want = float(train_step(eager, eager_opt, batch).detach())
+                assert float(step(model, opt, batch)) == pytest.approx(want, abs=1e-5), i
+        state = step.state_dict()
+        tuning = step.tuning
+    finally:
+        step.shutdown()
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(state["model"][name], p.detach(), atol=1e-5, rtol=0, msg=name)
+    measured = [t for t in tuning if t["measured_s"] is not None]
+    assert len(measured) >= 2 and all(t["measured_bytes"] > t["budget_bytes"] for t in measured), tuning
+    assert all(t["predicted_bytes"] <= t["budget_bytes"] for t in tuning), tuning
+    assert "no measured plan fitted the device memory" in caplog.text
 
 
 def _tensor_bytes_only_collecting_frees(state: dict) -> int:
@@ -230,3 +296,5 @@ def test_a_new_deployment_frees_the_previous_ones_tensors():
             engine.load_state(_state(model, functional))
             engine.step(batch, functional.host_scalars(1))
         assert group.call_all(_tensor_bytes_only_collecting_frees) == [0, 0]
+        peaks = engine.memory_peaks()  # what the tuner holds each candidate to (device_memory.py)
+        assert len(peaks) == 2 and all(p > 0 for p in peaks), peaks
