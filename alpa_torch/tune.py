@@ -26,7 +26,9 @@ faster. So ``parallelize`` (``tune=True``, the default) treats its prediction as
   device (``ParallelPlan.memory_budget_bytes``) is not kept, whatever its speed: the
   simulation that let it in counts the plan's tensors, not the runtime's own memory nor
   what the allocator keeps (on the 256 MiB workload of ``bench/vs_pytorch.py`` one-stage
-  plans simulated at 74-186 MB measured 315-534 MB);
+  plans simulated at 74 and 186 MiB measured 337 and 591 MiB); where the first candidate
+  measured over the device, one on the same meshes simulated to need more is not measured
+  (``_cannot_fit``);
 - the fastest measured that fits is kept, the initial state loaded into it, and training starts;
   where none fits, the one that needed the least memory is kept, on new workers (a trial
   measures what earlier trials left in its workers too), with a warning.
@@ -193,6 +195,24 @@ def to_measure(cands: list[Candidate]) -> list[Candidate]:
     return chosen
 
 
+def _cannot_fit(c: Candidate, first: Candidate) -> bool:
+    """``c`` runs on the same devices and meshes as ``first``, simulates to at least its memory,
+    and ``first``, measured on workers no trial had used, measured over the device: then ``c``
+    does not fit either and is not measured (a note says so; on a GPU its trial could run out
+    of memory). On the 256 MiB workload the data-parallel plan (186 MiB simulated) was measured
+    at 591 MiB after the sharded one-stage plan (74 MiB) had measured 337."""
+    if first.measured_bytes is None or first.fits() or _meshes(c.plan) != _meshes(first.plan) \
+            or c.plan.peak_memory_bytes < first.plan.peak_memory_bytes:
+        return False
+    c.note = (f"simulated to need no less than the {first.label} plan on the same meshes, which measured "
+              f"{first.measured_bytes / _MiB:.0f} MiB on a device: cannot fit, not measured")
+    return True
+
+
+def _meshes(plan: ParallelPlan) -> list[tuple]:
+    return [(s.device_ids, s.logical_mesh) for s in plan.stages]
+
+
 def keep(cands: list[Candidate]) -> Candidate:
     """The fastest measured candidate that fits its device's memory (two or more were measured),
     with a note saying why it was kept; one that did not fit gets a note saying so. Where none
@@ -242,6 +262,8 @@ def select(cands: list[Candidate], use: Callable[[ParallelPlan], None], step: Ca
     deployed = cands[0]
     for c in trials:
         if c is not deployed:
+            if _cannot_fit(c, cands[0]):
+                continue
             use(c.plan, False)
             deployed = c
         times = []

@@ -115,11 +115,30 @@ def test_a_candidate_measured_over_the_device_memory_is_not_kept_however_fast(ca
 
 def test_a_kept_plan_that_did_not_fit_the_trial_workers_runs_on_new_ones():
     graph, cluster, plan = _plans()
-    cands = [tuner.Candidate("search", plan), tuner.Candidate("one stage", plan)]
+    smaller = dataclasses.replace(plan, peak_memory_bytes=plan.peak_memory_bytes / 2)  # so it is measured
+    cands = [tuner.Candidate("search", plan), tuner.Candidate("one stage", smaller)]
     uses = []
     kept = tuner.select(cands, lambda p, fresh: uses.append(fresh), lambda: None, lambda p: [],
                         lambda: 2 * plan.memory_budget_bytes)
     assert not kept.fits() and uses == [False, True]  # the second trial, then the kept plan on new workers
+
+
+def test_a_candidate_that_cannot_fit_where_the_first_one_did_not_is_not_measured():
+    """Same meshes, at least the first candidate's simulated memory, and the first (measured on
+    unused workers) measured over the device: the trial is skipped; on other meshes it is not."""
+    graph, cluster, plan = _plans()
+    bigger = dataclasses.replace(plan, peak_memory_bytes=plan.peak_memory_bytes * 2)
+    cands = [tuner.Candidate("search", plan), tuner.Candidate("data parallel", bigger)]
+    uses = []
+    kept = tuner.select(cands, lambda p, fresh: uses.append(fresh), lambda: None, lambda p: [],
+                        lambda: 2 * plan.memory_budget_bytes)
+    assert kept is cands[0] and uses == [True] and cands[1].measured_s is None
+    assert "cannot fit, not measured" in cands[1].note
+    elsewhere = dataclasses.replace(bigger, stages=tuple(dataclasses.replace(st, device_ids=st.device_ids[::-1])
+                                                         for st in bigger.stages))
+    cands = [tuner.Candidate("search", plan), tuner.Candidate("data parallel", elsewhere)]
+    tuner.select(cands, lambda p, fresh: None, lambda: None, lambda p: [], lambda: 2 * plan.memory_budget_bytes)
+    assert cands[1].measured_s is not None
 
 
 def test_candidates_differ_and_come_from_the_options(tmp_path):
