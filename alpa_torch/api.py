@@ -279,7 +279,7 @@ class ParallelStep(ResilientStep):
 
         kept = tuner.select(cands, lambda plan, fresh: self._use(plan, model, optimizer, batch, sources, fresh),
                             lambda: self.engine.step(leaves, scalars), observe,
-                            lambda: max(self.engine.memory_peaks()))
+                            lambda: self.engine.memory())
         tuner.store_choice(self.plan_cache, self.graph, self.cluster, self.options, cands, kept)
         corrections = calibration.fit([ob for c in cands for ob in c.observations])
         calibration.store(self.plan_cache, self.cluster, corrections)

@@ -22,16 +22,18 @@ faster. So ``parallelize`` (``tune=True``, the default) treats its prediction as
   price stages at the measured rates; planned with such corrections, the candidates are
   measured within ``CALIBRATED_MARGIN`` only;
 - each measured candidate's memory is measured too (the most any of its devices held,
-  ``runtime/device_memory.py``); one that measured over the memory the plan may use per
-  device (``ParallelPlan.memory_budget_bytes``) is not kept, whatever its speed: the
+  ``runtime/device_memory.py``, and of it what the earlier trials had left on the
+  workers); one whose own part is over the memory the plan may use per device
+  (``ParallelPlan.memory_budget_bytes``) is not kept, whatever its speed: the
   simulation that let it in counts the plan's tensors, not the runtime's own memory nor
   what the allocator keeps (on the 256 MiB workload of ``bench/vs_pytorch.py`` one-stage
   plans simulated at 74 and 186 MiB measured 337 and 591 MiB); where the first candidate
   measured over the device, one on the same meshes simulated to need more is not measured
   (``_cannot_fit``);
-- the fastest measured that fits is kept, the initial state loaded into it, and training starts;
-  where none fits, the one that needed the least memory is kept, on new workers (a trial
-  measures what earlier trials left in its workers too), with a warning.
+- the fastest measured that may fit is kept, the initial state loaded into it, and training
+  starts; on new workers if it held more than the plan may use in its trial (with what the
+  earlier trials left); where none may fit, the one that needed the least, on new workers,
+  with a warning.
   The choice and its measurements are stored in the plan cache beside the searched plan
   (``tuned_fields``), so the next run of this step on this cluster takes it at once.
 
@@ -96,6 +98,10 @@ class Candidate:
     """Median step time of the timed trial steps; None: not measured."""
     measured_bytes: float | None = None
     """The most memory one of its devices held in its trial (deployment, state, steps); None: not measured."""
+    own_bytes: float | None = None
+    """The most one of its devices held above what the earlier trials had left on it: what it
+    would hold on new workers, less what they had already paid for it (modules imported, the
+    state received); None: not measured."""
     note: str = ""
     """Why it was not measured, or why it was kept."""
     observations: list[dict] = dataclasses.field(default_factory=list)
@@ -104,12 +110,17 @@ class Candidate:
     def to_dict(self, kept: bool) -> dict:
         return {"label": self.label, "plan": self.plan.summary(), "predicted_s": self.plan.predicted_step_s,
                 "measured_s": self.measured_s, "predicted_bytes": self.plan.peak_memory_bytes,
-                "measured_bytes": self.measured_bytes, "budget_bytes": self.plan.memory_budget_bytes,
-                "note": self.note, "kept": kept}
+                "measured_bytes": self.measured_bytes, "own_bytes": self.own_bytes,
+                "budget_bytes": self.plan.memory_budget_bytes, "note": self.note, "kept": kept}
 
     def fits(self) -> bool:
         """Measured within the memory its plan may use per device (True where not measured)."""
         return self.measured_bytes is None or self.measured_bytes <= self.plan.memory_budget_bytes
+
+    def may_fit(self) -> bool:
+        """Its own part (``own_bytes``) within the memory its plan may use: it may fit on new workers."""
+        held = self.measured_bytes if self.own_bytes is None else self.own_bytes
+        return held is None or held <= self.plan.memory_budget_bytes
 
 
 def variants(options: PlanOptions) -> list[tuple[str, PlanOptions]]:
@@ -201,7 +212,7 @@ def _cannot_fit(c: Candidate, first: Candidate) -> bool:
     does not fit either and is not measured (a note says so; on a GPU its trial could run out
     of memory). On the 256 MiB workload the data-parallel plan (186 MiB simulated) was measured
     at 591 MiB after the sharded one-stage plan (74 MiB) had measured 337."""
-    if first.measured_bytes is None or first.fits() or _meshes(c.plan) != _meshes(first.plan) \
+    if first.measured_bytes is None or first.may_fit() or _meshes(c.plan) != _meshes(first.plan) \
             or c.plan.peak_memory_bytes < first.plan.peak_memory_bytes:
         return False
     c.note = (f"simulated to need no less than the {first.label} plan on the same meshes, which measured "
@@ -214,32 +225,36 @@ def _meshes(plan: ParallelPlan) -> list[tuple]:
 
 
 def keep(cands: list[Candidate]) -> Candidate:
-    """The fastest measured candidate that fits its device's memory (two or more were measured),
-    with a note saying why it was kept; one that did not fit gets a note saying so. Where none
-    fits, the one that needed the least memory, with a warning (the memory promise is broken)."""
+    """The fastest measured candidate that may fit its device's memory (two or more were
+    measured), with a note saying why it was kept; one that cannot gets a note saying so.
+    Where none may fit, the one with the least memory of its own, with a warning (the memory
+    promise is broken). The kept one runs on new workers unless it fitted in its trial's
+    (``select``)."""
     measured = sorted((c for c in cands if c.measured_s is not None), key=lambda c: c.measured_s)
     for c in measured:
-        if not c.fits():
+        if not c.may_fit():
             c.note = (f"measured {c.measured_bytes / _MiB:.0f} MiB on a device, over the "
                       f"{c.plan.memory_budget_bytes / _MiB:.0f} MiB the plan may use: not kept")
-    fitting = [c for c in measured if c.fits()]
-    if not fitting:
-        best = min(measured, key=lambda c: c.measured_bytes)
+    plausible = [c for c in measured if c.may_fit()]
+    if not plausible:
+        best = min(measured, key=lambda c: c.own_bytes if c.own_bytes is not None else c.measured_bytes)
         best.note = f"none fits: the least memory measured ({best.measured_bytes / _MiB:.0f} MiB), run on new workers"
-        log.warning("no measured plan fitted the device memory (%.0f MiB) in the trial workers, which also hold "
-                    "what the earlier trials left: keeping the %s plan, which needed the least (%.0f MiB), on new "
-                    "workers. If it does not fit there either: activation checkpointing (checkpointing='full'), a "
+        log.warning("no measured plan fits the device memory (%.0f MiB): keeping the %s plan, which needed the "
+                    "least (%.0f MiB), on new workers. Fix: activation checkpointing (checkpointing='full'), a "
                     "smaller memory_budget_bytes to plan within, or more devices",
                     best.plan.memory_budget_bytes / _MiB, best.label, best.measured_bytes / _MiB)
         return best
-    best = fitting[0]
-    if best is not measured[0]:  # a faster one did not fit
+    best = plausible[0]
+    if best is not measured[0]:  # a faster one cannot fit
         best.note = (f"fastest measured that fits: {best.measured_s * 1e3:.1f} ms (the {measured[0].label} plan "
                      f"measured {measured[0].measured_s * 1e3:.1f} ms but does not fit)")
     else:
         runner = measured[1]
         best.note = (f"fastest measured: {best.measured_s * 1e3:.1f} ms against {runner.measured_s * 1e3:.1f} ms "
                      f"of the {runner.label} plan")
+    if not best.fits():
+        best.note += (f"; on new workers: its trial held {best.measured_bytes / _MiB:.0f} MiB, "
+                      f"{(best.measured_bytes - best.own_bytes) / _MiB:.0f} of them left by earlier trials")
     return best
 
 
@@ -250,8 +265,9 @@ def select(cands: list[Candidate], use: Callable[[ParallelPlan], None], step: Ca
     ``cands[0]`` is deployed with the initial state; ``use(plan, fresh)`` deploys a plan on the
     workers (on new ones if ``fresh``) and loads the initial state into it; ``step()`` runs one
     trial step; ``observe(plan)`` runs one more, recorded, and returns ``calibration.observe``'s
-    records of it; ``memory()`` is the most memory a device of the deployed plan held since it
-    was deployed, in bytes. On return the kept plan is deployed with the initial state."""
+    records of it; ``memory()`` gives, per device of the deployed plan, the most memory it held
+    since the plan was deployed and how much of it earlier trials had left, in bytes
+    (``Engine.memory``). On return the kept plan is deployed with the initial state."""
     trials = to_measure(cands)
     if len(trials) == 1:  # the cost model tells them apart: nothing to measure
         kept = trials[0]
@@ -273,7 +289,9 @@ def select(cands: list[Candidate], use: Callable[[ParallelPlan], None], step: Ca
             times.append(time.perf_counter() - t)
         c.measured_s = statistics.median(times[SKIP:])
         c.observations = observe(c.plan)
-        c.measured_bytes = memory()
+        held = memory()  # per device: (peak, of it left by earlier trials)
+        c.measured_bytes = max(peak for peak, _ in held)
+        c.own_bytes = max(peak - left for peak, left in held)
     kept = keep(cands)
     # The trial steps changed the state: load it again; in fresh workers where the kept plan's
     # devices held more than it may use (what the earlier trials left counted in its measurement).
@@ -290,8 +308,18 @@ def report(tuning: list[dict]) -> str:
         rows.append((t["label"] + (" (kept)" if t["kept"] else ""), t["plan"], f"{t['predicted_s'] * 1e3:.1f}",
                      "-" if t["measured_s"] is None else f"{t['measured_s'] * 1e3:.1f}",
                      "-" if t.get("predicted_bytes") is None else f"{t['predicted_bytes'] / _MiB:.0f}",
-                     "-" if measured_mib is None else f"{measured_mib / _MiB:.0f}", t["note"]))
+                     _mib_text(measured_mib, t.get("own_bytes")), t["note"]))
     return "measured plan selection (tune=True):\n" + "\n".join(text_table(rows, indent="  "))
+
+
+def _mib_text(measured_bytes: float | None, own_bytes: float | None) -> str:
+    """'-', '312', or '312 (own 150)' where earlier trials had left memory on the workers."""
+    if measured_bytes is None:
+        return "-"
+    text = f"{measured_bytes / _MiB:.0f}"
+    if own_bytes is not None and round(own_bytes / _MiB) != round(measured_bytes / _MiB):
+        text += f" (own {own_bytes / _MiB:.0f})"
+    return text
 
 
 def tuned_fields(graph: OpGraph, cluster: Cluster, options: PlanOptions) -> dict:

@@ -78,13 +78,14 @@ def _release(state: dict) -> None:
     plan selection deploys several plans on the same workers: without this, each worker
     of the wide GPT on 1x4 kept a replaced trial deployment's state (91 MB of tensors)
     next to the kept plan's for the whole run. The memory freed goes back to the OS (or
-    the GPU's cache is emptied), so the next deployment's peak is its own (``Engine.memory_peaks``)."""
+    the GPU's cache is emptied), so the next deployment's peak is its own (``Engine.memory``)."""
     import gc
 
     for key in ("program", "runner", "recorder"):
         state.pop(key, None)
     gc.collect()
     release_freed(state["device"])  # the next deployment measures its own peak (device_memory.py)
+    state["memory_left"] = peak_bytes(state["device"], state.get("memory_started", 0.0))  # what is left
 
 
 def _install(state: dict, records_bytes: bytes, setup: dict, stage: int) -> bool:
@@ -123,8 +124,8 @@ def _install(state: dict, records_bytes: bytes, setup: dict, stage: int) -> bool
     return True
 
 
-def _memory_peak(state: dict) -> float:
-    return peak_bytes(state["device"], state.get("memory_started", 0.0))
+def _memory(state: dict) -> tuple[float, float]:
+    return peak_bytes(state["device"], state.get("memory_started", 0.0)), state.get("memory_left", 0.0)
 
 
 def _record(state: dict, on: bool) -> bool:
@@ -258,11 +259,12 @@ class Engine:
             per_rank.append((own, {n: metas[n] for n in names}))
         self.group.call_all(_load, per_rank_args=per_rank)
 
-    def memory_peaks(self) -> list[float]:
-        """Per rank, the most memory its device held since this plan was deployed, in bytes
+    def memory(self) -> list[tuple[float, float]]:
+        """Per rank, in bytes: the most memory its device held since this plan was deployed
         (``device_memory.peak_bytes``: the caching allocator's reserve on GPU, the resident set
-        above the started worker's on CPU)."""
-        return self.group.call_all(_memory_peak)
+        above the started worker's on CPU), and how much of it earlier deployments on the
+        worker had left when this one began."""
+        return [tuple(m) for m in self.group.call_all(_memory)]
 
     def record(self, on: bool = True) -> None:
         """Record, on every worker, when each phase, transfer and wait of a step runs (``timeline.py``)."""

@@ -82,7 +82,7 @@ def test_select_measures_each_close_candidate_and_leaves_the_kept_one_deployed(m
     held = {id(plans[0]): 1.0e6, id(plans[1]): 2.0e6}
     fresh = []
     kept = tuner.select(cands, lambda p, new: (deployed.append(p), fresh.append(new)), lambda: None,
-                        lambda p: [{"plan": p}], lambda: held[id(deployed[-1])])
+                        lambda p: [{"plan": p}], lambda: [(held[id(deployed[-1])], 0.0)])
     assert kept is cands[1] and cands[2].measured_s is None
     assert cands[0].measured_s == 2.0 and cands[1].measured_s == 1.0
     assert [c.measured_bytes for c in cands] == [1.0e6, 2.0e6, None]
@@ -109,7 +109,7 @@ def test_a_candidate_measured_over_the_device_memory_is_not_kept_however_fast(ca
     cands[0].measured_bytes = 1.2 * budget
     with caplog.at_level("WARNING", logger="alpa_torch.tune"):
         assert tuner.keep(cands) is cands[0]
-    assert "no measured plan fitted the device memory" in caplog.text and "checkpointing" in caplog.text
+    assert "no measured plan fits the device memory" in caplog.text and "checkpointing" in caplog.text
     assert "the least memory" in cands[0].note and "new workers" in cands[0].note
 
 
@@ -119,9 +119,27 @@ def test_a_kept_plan_that_did_not_fit_the_trial_workers_runs_on_new_ones():
     cands = [tuner.Candidate("search", plan), tuner.Candidate("one stage", smaller)]
     uses = []
     kept = tuner.select(cands, lambda p, fresh: uses.append(fresh), lambda: None, lambda p: [],
-                        lambda: 2 * plan.memory_budget_bytes)
+                        lambda: [(2 * plan.memory_budget_bytes, 0.0)])
     assert not kept.fits() and uses == [False, True]  # the second trial, then the kept plan on new workers
 
+
+def test_a_trial_over_the_device_only_with_what_earlier_trials_left_is_kept_on_new_workers():
+    """Its own part fits: it may fit on new workers, where it then runs (the first trial, on
+    unused workers, has no part left by others)."""
+    graph, cluster, plan = _plans()
+    budget = plan.memory_budget_bytes
+    smaller = dataclasses.replace(plan, peak_memory_bytes=plan.peak_memory_bytes / 2)
+    cands = [tuner.Candidate("search", plan), tuner.Candidate("one stage", smaller)]
+    held = iter([[(1.5 * budget, 0.0)], [(1.2 * budget, 0.6 * budget)]])  # the search's, then the second's
+    clock = iter(range(1000))
+    uses = []
+    kept = tuner.select(cands, lambda p, fresh: uses.append(fresh), lambda: next(clock) and None,
+                        lambda p: [], lambda: next(held))
+    assert kept is cands[1] and uses == [False, True] and not kept.fits() and kept.may_fit()
+    assert "on new workers" in kept.note and "left by earlier trials" in kept.note
+    assert not cands[0].may_fit() and "not kept" in cands[0].note
+    text = tuner.report([c.to_dict(c is kept) for c in cands])
+    assert f"(own {0.6 * budget / 2**20:.0f})" in text
 
 def test_a_candidate_that_cannot_fit_where_the_first_one_did_not_is_not_measured():
     """Same meshes, at least the first candidate's simulated memory, and the first (measured on
@@ -131,13 +149,14 @@ def test_a_candidate_that_cannot_fit_where_the_first_one_did_not_is_not_measured
     cands = [tuner.Candidate("search", plan), tuner.Candidate("data parallel", bigger)]
     uses = []
     kept = tuner.select(cands, lambda p, fresh: uses.append(fresh), lambda: None, lambda p: [],
-                        lambda: 2 * plan.memory_budget_bytes)
+                        lambda: [(2 * plan.memory_budget_bytes, 0.0)])
     assert kept is cands[0] and uses == [True] and cands[1].measured_s is None
     assert "cannot fit, not measured" in cands[1].note
     elsewhere = dataclasses.replace(bigger, stages=tuple(dataclasses.replace(st, device_ids=st.device_ids[::-1])
                                                          for st in bigger.stages))
     cands = [tuner.Candidate("search", plan), tuner.Candidate("data parallel", elsewhere)]
-    tuner.select(cands, lambda p, fresh: None, lambda: None, lambda p: [], lambda: 2 * plan.memory_budget_bytes)
+    tuner.select(cands, lambda p, fresh: None, lambda: None, lambda p: [],
+                 lambda: [(2 * plan.memory_budget_bytes, 0.0)])
     assert cands[1].measured_s is not None
 
 
@@ -229,10 +248,10 @@ def test_tuned_step_trains_as_eager_and_its_choice_is_cached(tmp_path):
 
 
 @pytest.mark.usefixtures("ray_session")
-def test_when_no_candidate_fits_as_measured_the_kept_one_trains_as_eager_on_new_workers(tmp_path, caplog):
+def test_when_no_trial_fits_as_measured_the_kept_plan_trains_as_eager_on_new_workers(tmp_path, caplog):
     """64 MiB per device: the zoo GPT's plans fit as simulated (a few MiB), but a worker process
     grows by more than that (the runtime's own memory), so every trial measures over the
-    device; the plan that needed the least is kept, on new workers, and trains equal to eager."""
+    device; the kept plan runs on new workers and trains equal to eager."""
     torch.manual_seed(0)
     model, _ = ZOO["gpt"]()
     eager = copy.deepcopy(model)
@@ -254,7 +273,9 @@ def test_when_no_candidate_fits_as_measured_the_kept_one_trains_as_eager_on_new_
     measured = [t for t in tuning if t["measured_s"] is not None]
     assert len(measured) >= 2 and all(t["measured_bytes"] > t["budget_bytes"] for t in measured), tuning
     assert all(t["predicted_bytes"] <= t["budget_bytes"] for t in tuning), tuning
-    assert "no measured plan fitted the device memory" in caplog.text
+    kept = next(t for t in tuning if t["kept"])
+    assert "new workers" in kept["note"], tuning  # whether its own part fitted or none did (then a warning)
+    assert ("none fits" in kept["note"]) == ("no measured plan fits the device memory" in caplog.text)
 
 
 def _tensor_bytes_only_collecting_frees(state: dict) -> int:
@@ -315,5 +336,5 @@ def test_a_new_deployment_frees_the_previous_ones_tensors():
             engine.load_state(_state(model, functional))
             engine.step(batch, functional.host_scalars(1))
         assert group.call_all(_tensor_bytes_only_collecting_frees) == [0, 0]
-        peaks = engine.memory_peaks()  # what the tuner holds each candidate to (device_memory.py)
-        assert len(peaks) == 2 and all(p > 0 for p in peaks), peaks
+        held = engine.memory()  # what the tuner holds each candidate to (device_memory.py)
+        assert len(held) == 2 and all(peak > left > 0 for peak, left in held), held
