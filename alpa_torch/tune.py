@@ -258,8 +258,9 @@ def keep(cands: list[Candidate]) -> Candidate:
     return best
 
 
-def select(cands: list[Candidate], use: Callable[[ParallelPlan], None], step: Callable[[], object],
-           observe: Callable[[ParallelPlan], list[dict]], memory: Callable[[], float]) -> Candidate:
+def select(cands: list[Candidate], use: Callable[[ParallelPlan, bool], None], step: Callable[[], object],
+           observe: Callable[[ParallelPlan], list[dict]],
+           memory: Callable[[], list[tuple[float, float]]]) -> Candidate:
     """The candidate to keep, measured where the predictions are close (module docstring).
 
     ``cands[0]`` is deployed with the initial state; ``use(plan, fresh)`` deploys a plan on the

@@ -4,7 +4,7 @@ A plan promises that its stages fit the device (``stage_dp.memory_sim``). The si
 counts the plan's tensors; a worker also holds the runtime's own memory (its graph and
 programs, the process groups' buffers, the state it received) and whatever the allocator
 keeps of freed memory. Measured plan selection (``alpa_torch.tune``) therefore measures
-each candidate's peak here, and keeps no candidate that measured over the device.
+each candidate's peak here, and keeps none whose own part of it is over the device.
 
 What "the memory a device holds" is, per device type:
 
