@@ -547,8 +547,8 @@ def parallelize(train_step: Callable | Cluster | None = None, cluster: Cluster |
     layer, or a number of bytes per device the stages must fit in), ``tune`` (default
     True unless ``$ALPA_TORCH_TUNE`` is 0: where the cost model cannot tell the searched
     plan, the best one-stage plan and the data-parallel plan apart, the first call runs
-    each for a few steps on the cluster and keeps the fastest measured that fits the device
-    memory as measured, remembered in the
+    each for a few steps on the cluster and keeps the fastest measured whose own part of
+    its devices' measured memory fits, remembered in the
     plan cache; ``step.tuning`` lists them; ``alpa_torch.tune``), ``trace`` (default False:
     True records when each worker ran each forward, backward, update, transfer and gradient
     reduction of a step; ``step.measured_trace(path)`` gives the last step's as a Perfetto
