@@ -362,8 +362,9 @@ def sharding_deployer(wl: Workload, sharding):
 
 
 def _status_mb(key: str) -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) / 1024.0 for line in f if line.startswith(key + ":"))
+    from runtime.device_memory import status_bytes
+
+    return status_bytes(key) / _MiB
 
 
 def _worker_rss(state: dict) -> float:

@@ -82,7 +82,7 @@ def heap_in_use_bytes() -> float | None:
     return float(info.uordblks + info.hblkhd)
 
 
-def _status_bytes(key: str) -> float | None:
+def status_bytes(key: str) -> float | None:
     """A size line of /proc/self/status (``VmRSS``, ``VmHWM``) in bytes; None off Linux."""
     try:
         with open("/proc/self/status") as f:
@@ -99,7 +99,7 @@ def started_bytes(device: torch.device) -> float:
     process's resident set on CPU (0 where unknown), 0 on GPU (nothing of the plan is reserved)."""
     if device.type == "cuda":
         return 0.0
-    return _status_bytes("VmRSS") or 0.0
+    return status_bytes("VmRSS") or 0.0
 
 
 def release_freed(device: torch.device) -> None:
@@ -127,7 +127,7 @@ def _peak_now(device: torch.device) -> float:
     """The peak since the last reset, in absolute bytes (0 where unknown)."""
     if device.type == "cuda":
         return float(torch.cuda.max_memory_reserved(device))
-    return _status_bytes("VmHWM") or 0.0
+    return status_bytes("VmHWM") or 0.0
 
 
 def peak_bytes(device: torch.device, started: float) -> float:
@@ -143,4 +143,4 @@ def lifetime_peak_bytes(device: torch.device) -> float:
 
 
 __all__ = ["heap_in_use_bytes", "keep_freed_memory", "lifetime_peak_bytes", "peak_bytes", "release_freed",
-           "started_bytes"]
+           "started_bytes", "status_bytes"]

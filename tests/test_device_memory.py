@@ -41,5 +41,5 @@ def test_a_peak_counts_from_the_last_release_and_the_release_gives_freed_memory_
 def test_without_a_cpu_peak_the_measure_is_zero_not_an_error(monkeypatch):
     import runtime.device_memory as dm
 
-    monkeypatch.setattr(dm, "_status_bytes", lambda key: None)
+    monkeypatch.setattr(dm, "status_bytes", lambda key: None)
     assert dm.started_bytes(torch.device("cpu")) == 0.0 and dm.peak_bytes(torch.device("cpu"), 0.0) == 0.0
