@@ -16,7 +16,10 @@ faster. So ``parallelize`` (``tune=True``, the default) treats its prediction as
 - a candidate predicted within ``MARGIN`` times the fastest prediction is measured
   (``select``, called by ``ParallelStep._tune``): deployed on the step's workers, loaded with the initial state,
   run ``STEPS`` steps on the first batch with the results thrown away, timed from step
-  ``SKIP`` + 1 on (the first step runs through DTensor, the second records the replay);
+  ``SKIP`` + 1 on (on a stage of several devices the first step runs through DTensor, the
+  second records the replay, the third generates the replay's code: 0.6 s for the 2,372
+  operators of ``bench/vs_pytorch.py``'s deep GPT, more than its step; the median of the
+  steps after them);
   one more step is recorded, per stage and kind of cost (``alpa_torch.calibration``),
   and the corrections those records give are stored for the cluster, so later plannings on it
   price stages at the measured rates; planned with such corrections, the candidates are
@@ -68,11 +71,11 @@ MARGIN = 2.0
 """A candidate predicted slower than ``MARGIN`` x the fastest prediction is not measured."""
 CALIBRATED_MARGIN = 1.25
 """``MARGIN`` for candidates planned with measured cost corrections (``Cluster.cost_correction``)."""
-STEPS = 4
+STEPS = 6
 """Trial steps per measured candidate."""
-SKIP = 2
-"""Trial steps not timed (DTensor's first run, the replay's recording)."""
-TUNE_VERSION = 5
+SKIP = 3
+"""Trial steps not timed (DTensor's first run, the replay's recording, its code generation)."""
+TUNE_VERSION = 6
 """Part of the cache key of a measured choice: a change of the rules above misses."""
 ENV_VAR = "ALPA_TORCH_TUNE"
 """``ALPA_TORCH_TUNE=0``: the default of ``tune`` is False (the test suite runs so; see tests/conftest.py)."""
