@@ -91,6 +91,27 @@ def test_select_measures_each_close_candidate_and_leaves_the_kept_one_deployed(m
     assert fresh == [False, False]  # it fits: the workers stay
 
 
+def test_a_trial_is_timed_on_the_steps_after_the_replays_code_generation(monkeypatch):
+    """On a stage of several devices the first three steps after a deployment are slow (DTensor,
+    the replay's recording, its code generation): a trial measures the steps after them."""
+    graph, cluster, plan = _plans()
+    plans = [plan, dataclasses.replace(plan, predicted_step_s=plan.predicted_step_s * 1.1)]
+    cands = [tuner.Candidate("search", plans[0]), tuner.Candidate("one stage", plans[1])]
+    steady = {id(plans[0]): 0.3, id(plans[1]): 0.2}
+    now, durations = [0.0], []
+
+    def deploy(p):
+        durations[:] = [30.0, 8.0, 0.6] + [steady[id(p)]] * 10
+
+    def step():
+        now[0] += durations.pop(0)
+
+    deploy(plans[0])
+    monkeypatch.setattr(tuner.time, "perf_counter", lambda: now[0])
+    kept = tuner.select(cands, lambda p, fresh: deploy(p), step, lambda p: [], lambda: [(0.0, 0.0)])
+    assert [c.measured_s for c in cands] == pytest.approx([0.3, 0.2]) and kept is cands[1]
+
+
 def test_a_candidate_measured_over_the_device_memory_is_not_kept_however_fast(caplog):
     """The simulation lets a plan in; the measurement of its devices' memory can still rule it out."""
     graph, cluster, plan = _plans()
