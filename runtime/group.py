@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from alpa_torch.core.cluster import Cluster
 from alpa_torch.core.errors import WorkerError, WorkerFailure
 from runtime.ray_env import ResourcePlan, alive_nodes, ensure_ray, plan_resources, stop_ray
-from runtime.worker import RemoteDeviceWorker, actor_env
+from runtime.worker import RemoteDeviceWorker, SharedCall, actor_env
 
 logger = logging.getLogger(__name__)
 
@@ -170,9 +170,16 @@ class WorkerGroup:
         if per_rank_args is not None and len(per_rank_args) != n:
             raise ValueError(f"per_rank_args has {len(per_rank_args)} entries for {n} ranks. "
                              "Fix: give one tuple of arguments per rank.")
-        fn_bytes = cloudpickle.dumps(fn)  # pickled once, the same bytes to every rank
-        shared = [_put_if_large(a) for a in args] if n > 1 else list(args)
-        shared_kw = {k: _put_if_large(v) for k, v in kwargs.items()} if n > 1 else kwargs
+        if n > 1 and not any(map(_put_once, (*args, *kwargs.values()))):
+            # small shared arguments (a step's microbatches) go with fn, pickled once for all ranks:
+            # Ray would serialize them again for every rank's call
+            fn_bytes, shared, shared_kw = cloudpickle.dumps(SharedCall(fn, args, kwargs)), [], {}
+            if len(fn_bytes) >= _PUT_ONCE_BYTES:  # nested arrays: in the object store once for all ranks
+                fn_bytes = ray.put(fn_bytes)
+        else:
+            fn_bytes = cloudpickle.dumps(fn)  # pickled once, the same bytes to every rank
+            shared = [_put_if_large(a) for a in args] if n > 1 else list(args)
+            shared_kw = {k: _put_if_large(v) for k, v in kwargs.items()} if n > 1 else kwargs
         refs = [(actor.run_early if answer_early else actor.run).remote(
                     fn_bytes, *shared, *(per_rank_args[r] if per_rank_args else ()), **shared_kw)
                 for r, actor in enumerate(self._actors)]
@@ -302,9 +309,13 @@ class WorkerGroup:
         return f"WorkerGroup({self._shape()}, {self.cluster.backend}, {state}, pids={self.pids()})"
 
 
+def _put_once(value: Any) -> bool:
+    """A numpy array large enough to matter: it goes to the object store once, ranks read it zero-copy."""
+    return isinstance(value, np.ndarray) and value.nbytes >= _PUT_ONCE_BYTES
+
+
 def _put_if_large(value: Any) -> Any:
-    """A numpy array large enough to matter goes to the object store once; ranks read it zero-copy."""
-    return ray.put(value) if isinstance(value, np.ndarray) and value.nbytes >= _PUT_ONCE_BYTES else value
+    return ray.put(value) if _put_once(value) else value
 
 
 def _name(fn: Callable[..., Any]) -> str:

@@ -35,6 +35,7 @@ import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -162,6 +163,19 @@ class DeviceWorker:
             dist.destroy_process_group()
         self.state.pop("world_size", None)
         return True
+
+
+@dataclass(frozen=True)
+class SharedCall:
+    """``fn`` with the leading arguments every rank gets, which the driver pickles once for all
+    ranks (``WorkerGroup.call_all``); called as ``fn(state, *args, *rest, **kwargs, **more)``."""
+
+    fn: WorkerFn
+    args: tuple
+    kwargs: dict
+
+    def __call__(self, state: dict, *rest: Any, **more: Any) -> Any:
+        return self.fn(state, *self.args, *rest, **self.kwargs, **more)
 
 
 class _EarlyCall:
