@@ -112,6 +112,12 @@ class HighsDirect:
         """(status, column values or None, objective, lower bound) of the LP relaxation or the
         MIP; ``start``: a strategy per variable, a partial MIP start (HiGHS fills in e)."""
         h, n = self.h, len(self.binary)
+        if integral:
+            # HiGHS 1.16 after an LP solve on the same instance: its MIP reported the optimum's
+            # objective with the column values of another point (a 7-node ILP of
+            # tests/test_ilp_core.py: objective 10.6255, values worth 10.7658). The MIP
+            # starts from a cleared solver (the model and options stay).
+            h.clearSolver()
         kind = highspy.HighsVarType.kInteger if integral else highspy.HighsVarType.kContinuous
         h.changeColsIntegrality(n, self.binary, np.full(n, kind))
         h.setOptionValue("time_limit", float(time_limit_s))
