@@ -34,8 +34,8 @@ _EXPORTS = {
     **{name: "alpa_torch.core.errors" for name in (
         "AlpaTorchError", "BatchSplitError", "CaptureError", "CheckpointError", "ClusterSpecError",
         "DataDependentControlFlowError", "IndexRangeError", "InfeasibleMemoryError", "LossError",
-        "MissingExtraError", "PlanError", "PlannerError", "StepUsageError", "UnsupportedOperatorError",
-        "WorkerError")},
+        "MissingExtraError", "PlanError", "PlannerError", "StateOnWorkersError", "StepUsageError",
+        "UnsupportedOperatorError", "WorkerError")},
 }
 __all__ = sorted(_EXPORTS)
 
@@ -69,6 +69,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; nothing runs
         MissingExtraError,
         PlanError,
         PlannerError,
+        StateOnWorkersError,
         StepUsageError,
         UnsupportedOperatorError,
         WorkerError,

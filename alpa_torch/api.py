@@ -29,6 +29,7 @@ options give the same plan, so the second ``make_plan`` loads it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -47,6 +48,7 @@ import torch.utils._pytree as pytree
 
 from alpa_torch.core.cluster import Cluster
 from alpa_torch.core.errors import (
+    AlpaTorchError,
     BatchSplitError,
     CaptureError,
     PlanError,
@@ -66,11 +68,16 @@ from .batch import BatchLayout, check_indices, index_rules
 from .capture import capture, check_precision
 from .deploy import deploy_plan
 from .initial_state import checkpoint_source, give_storage, model_sources
+from .live import PARTS, LiveState
 from .optim import FunctionalOptimizer
 from .plan_cache import PlanCache, cached_plan
 from .resilience import ResilientStep, check_reliability_options
 
 log = logging.getLogger(__name__)
+
+_PLANNED = ("graph", "plan", "plan_source", "tuning", "_layout", "_index_rules", "_functional", "run_graph",
+            "_combine", "_recomputed")
+"""What capturing and planning set on a ``ParallelStep`` (a failed re-capture puts them back)."""
 
 
 def _first_microbatch(layout: BatchLayout, batch: Any, num_microbatches: int) -> Any:
@@ -93,7 +100,8 @@ class ParallelStep(ResilientStep):
                  precision: str = "fp32", plan_cache: bool | str | None = None, max_restarts: int = 0,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 1, tune: bool | None = None,
                  init_fn: Callable[[torch.nn.Module], None] | None = None, weights: str | None = None,
-                 host_timeout_s: float = 60.0, trace: bool = False, **option_fields: Any):
+                 host_timeout_s: float = 60.0, trace: bool = False, driver_state_limit_bytes: float | None = None,
+                 **option_fields: Any):
         """See ``parallelize``; ``option_fields``: ``PlanOptions``'s fields (or ``options``)."""
         check_reliability_options(max_restarts, checkpoint_dir, checkpoint_every, host_timeout_s)
         functools.update_wrapper(self, train_step)  # the decorated step keeps its name and docstring
@@ -109,7 +117,7 @@ class ParallelStep(ResilientStep):
             raise TypeError(f"parallelize: {exc}. Its options are PlanOptions's fields "
                             f"({', '.join(f.name for f in dataclasses.fields(PlanOptions))}), plan, progress, "
                             "precision, plan_cache, max_restarts, checkpoint_dir, checkpoint_every, host_timeout_s, "
-                            "tune, init_fn, weights, trace") from None
+                            "tune, init_fn, weights, trace, driver_state_limit_bytes") from None
         self.tune = tuner.enabled(tune)
         self.tuning: list[dict] = []
         """The candidates of measured plan selection (``alpa_torch.tune.Candidate.to_dict``), in order."""
@@ -119,6 +127,15 @@ class ParallelStep(ResilientStep):
             raise TypeError(f"parallelize: trace={trace!r} must be True or False")
         self.trace = trace
         """Record what every worker does in each step (``measured_trace``)."""
+        if driver_state_limit_bytes is not None and not (isinstance(driver_state_limit_bytes, (int, float))
+                                                         and driver_state_limit_bytes >= 0):
+            raise TypeError(f"parallelize: driver_state_limit_bytes={driver_state_limit_bytes!r} must be a number of "
+                            "bytes >= 0 (the most state a read of the model or optimizer brings to this process)")
+        self.driver_state_limit_bytes = driver_state_limit_bytes
+        """The most state a read of the model or optimizer after a step brings here (``alpa_torch.live``);
+        None: half of the memory this machine has available at the time of the read."""
+        self._live: LiveState | None = None
+        """Keeps the model and optimizer objects in step with the workers (``alpa_torch.live``)."""
         self.progress = progress
         self.plan_cache = PlanCache.from_option(plan_cache)
         self._layout: BatchLayout | None = None
@@ -156,15 +173,17 @@ class ParallelStep(ResilientStep):
         """``step(model, optimizer, batch)``: one training step on the cluster; returns the loss."""
         model, optimizer, batch = _step_arguments(getattr(self, "__name__", "step"), args, kwargs)
         self._check_open()
-        if self.engine is None:
-            self._start(model, optimizer, batch)
-        else:
-            self._check_same_objects(model, optimizer)
-            change = self._layout.change(batch) or self._functional.constants_changed()
-            if change:
-                self._recapture(model, optimizer, batch, change)
-        leaves = self._batch_leaves(batch)
-        loss = self._run_step(leaves, model, optimizer, batch)
+        with self._own_use():
+            if self.engine is None:
+                self._start(model, optimizer, batch)
+            else:
+                self._check_same_objects(model, optimizer)
+                change = self._user_changes() or self._layout.change(batch) or self._functional.constants_changed()
+                if change:
+                    self._recapture(model, optimizer, batch, change)
+            leaves = self._batch_leaves(batch)
+            loss = self._run_step(leaves, model, optimizer, batch)
+        self._live.after_step()
         optimizer._opt_called = True  # as optimizer.step() leaves it: LR schedulers check it
         if not math.isfinite(loss):
             warnings.warn(
@@ -245,6 +264,8 @@ class ParallelStep(ResilientStep):
         if self.checkpoint_dir is not None:
             self._warn_overwrite()
             self.save(self.checkpoint_dir)  # the state a restart before the first periodic save returns to
+        self._live = LiveState(model, (optimizer,), fetch=self._fetch, tensors=self._object_tensors,
+                               size_bytes=self._part_bytes, limit_bytes=self._limit_bytes)
 
     def _launch(self, sources: list, reserve_timeout_s: float | None = None) -> None:
         """Start the workers (``reserve_timeout_s``: how long to wait for their resources; None: the
@@ -367,16 +388,88 @@ class ParallelStep(ResilientStep):
 
     def _recapture(self, model, optimizer, batch, change: str) -> None:
         """Capture and plan the step again for what changed, and run it on the same workers from the
-        live state (the trained state carries over; state the new step adds starts as on a first call)."""
+        live state (the trained state carries over; state the new step adds starts as on a first call).
+        Capturing and planning come first: if they fail (the user's new input is wrong, as eager
+        would find), the step is left as it was, workers and state untouched, and the error raised."""
         log.warning("%s: capturing and planning the step again (the trained state carries over)", change)
-        state = self.state_dict()
-        live = {**state["model"], **state["optimizer"]}
-        self._functional = FunctionalOptimizer(optimizer, {id(p): n for n, p in model.named_parameters()},
-                                               device_step=self.precision == "fp16")
-        self.make_plan(model, optimizer, batch)
-        self.run_graph = self._runtime_graph(model, optimizer, batch)
+        kept = {k: getattr(self, k) for k in _PLANNED}
+        try:
+            self._functional = FunctionalOptimizer(optimizer, {id(p): n for n, p in model.named_parameters()},
+                                                   device_step=self.precision == "fp16")
+            self.make_plan(model, optimizer, batch)
+            self.run_graph = self._runtime_graph(model, optimizer, batch)
+            self._batch_leaves(batch)
+        except BaseException:
+            for k, v in kept.items():
+                setattr(self, k, v)
+            raise
+        behind = [part for part in PARTS if self._live.stale[part]]  # the objects hold the rest as it is
+        names = [n for part in behind for n in self._part_names(part, kept["graph"])]
+        live = {k: from_wire(v) for k, v in self.engine.gather_state(names).items()} if names else {}
         self.engine = self._deploy()
         self.engine.load([Values(to_wire_dict(live)), *self._initial_state(model)])  # live first: it wins
+        self._live.recaptured()
+
+    def _own_use(self):
+        """alpa-torch's own reads and writes of the model and optimizer objects (``alpa_torch.live``)."""
+        return self._live.internal() if self._live is not None else contextlib.nullcontext()
+
+    def _user_changes(self) -> str | None:
+        """Send the tensors the user changed in the model or optimizer since the last step to the
+        workers; a change that needs the step captured again, in words (``alpa_torch.live``)."""
+        changes = self._live.changes()
+        if not self._live.stale["optimizer"] and not self._functional.device_step:
+            self._step = self._functional.step_count()  # load_state_dict may have set it back
+        if changes.recapture is None and changes.values:
+            log.info("sending %d tensor(s) changed in the model or optimizer since the last step to the workers",
+                     len(changes.values))
+            self.engine.load([Values(to_wire_dict(changes.values))])
+            self._live.sent(changes.values)
+        return changes.recapture
+
+    def _part_names(self, part: str, graph=None) -> list[str]:
+        """The state names of ``part`` ('model': parameters and buffers; 'optimizer': its state)."""
+        graph = graph or self.graph
+        kinds = ("param", "buffer") if part == "model" else ("opt_state",)
+        return [s.name for s in graph.inputs if s.kind in kinds]
+
+    def _part_bytes(self, part: str) -> int:
+        names = set(self._part_names(part))
+        return sum(s.nbytes for s in self.graph.inputs if s.name in names)
+
+    def _limit_bytes(self) -> float:
+        if self.driver_state_limit_bytes is not None:
+            return float(self.driver_state_limit_bytes)
+        try:
+            return 0.5 * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):  # no such counter on this system
+            return math.inf
+
+    def _object_tensors(self, part: str) -> dict[str, torch.Tensor]:
+        """State name -> the tensor the user's objects hold for it now."""
+        if part == "optimizer":
+            return self._functional.state_tensors()
+        model, names = self._trains[0](), set(self._part_names("model"))
+        return {n: t for n, t in [*model.named_parameters(), *model.named_buffers()] if n in names}
+
+    def _fetch(self, part: str) -> None:
+        """Bring ``part``'s state from the workers into the user's objects (one gather)."""
+        full = {k: from_wire(v) for k, v in self.engine.gather_state(self._part_names(part)).items()}
+        if part == "model":
+            self._write_model(self._trains[0](), full)
+        else:
+            self._write_optimizer(self._functional.optimizer, full)
+
+    def _write_model(self, model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+                if name in full:  # else a buffer the step never reads (HF's original_inv_freq):
+                    t.copy_(full[name])  # no stage holds it, and the step left it as it was
+
+    def _write_optimizer(self, optimizer: torch.optim.Optimizer, full: dict[str, torch.Tensor]) -> None:
+        self._functional.optimizer = optimizer
+        step = int(full["amp.step"]) if self._functional.device_step else self._step  # skips not counted
+        self._functional.write_back(full, step, trained=set(self.graph.grad_of))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -445,7 +538,8 @@ class ParallelStep(ResilientStep):
         if self.engine is None:
             raise PlanError("the step has not run yet: call it once before save_pretrained()")
         model = self._trains[0]()
-        keys = set(model.state_dict()) if model is not None else None
+        with self._own_use():
+            keys = set(model.state_dict()) if model is not None else None
         names = [s.name for s in self.graph.inputs
                  if s.kind in ("param", "buffer") and (keys is None or s.name in keys)]
         path = os.path.abspath(directory)
@@ -457,23 +551,28 @@ class ParallelStep(ResilientStep):
         return path
 
     def sync(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Copy the trained state into ``model`` (and ``optimizer``), as eager training would leave them."""
-        sd = self.state_dict()
-        give_storage(model, optimizer or self._functional.optimizer, self._functional)  # a meta-device model
-        with torch.no_grad():
-            for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-                if name in sd["model"]:  # else a buffer the step never reads (HF's original_inv_freq):
-                    t.copy_(sd["model"][name])  # no stage holds it, and the step left it as it was
-        if optimizer is not None:
-            states = {n: {k: sd["optimizer"][f"{n}.{k}"] for k in self._functional.state_names(n)}
-                      for n in self._functional.names}
-            self._functional.optimizer = optimizer
-            step = int(sd["optimizer"]["amp.step"]) if self._functional.device_step else self._step  # skips not counted
-            self._functional.write_back(states, step)
+        """Copy the trained state into ``model`` (and ``optimizer``), as eager training would leave them.
+        A read of the model or optimizer after a step does this by itself (``alpa_torch.live``); ``sync``
+        also gives a model built on the meta device memory (new parameter objects, which the
+        optimizer then holds)."""
+        with self._own_use():
+            sd = self.state_dict()
+            give_storage(model, optimizer or self._functional.optimizer, self._functional)  # a meta-device model
+            self._write_model(model, sd["model"])
+            if optimizer is not None:
+                self._write_optimizer(optimizer, sd["optimizer"])
+        if self._live is not None and model is self._live.model:
+            for part in PARTS if optimizer is not None else ("model",):
+                self._live.fetched(part)
 
     def shutdown(self) -> None:
-        """Stop the workers. The step cannot be called again (its live state is gone):
-        ``sync`` or ``save`` first to keep what it trained."""
+        """Bring the trained state into the model and optimizer objects (where it may come to this
+        process: ``alpa_torch.live``), then stop the workers. The step cannot be called again."""
+        if self._live is not None and self.engine is not None:
+            for part in PARTS:
+                with contextlib.suppress(AlpaTorchError):  # too large, or on the meta device: reads say so
+                    self._live.read(part)
+            self._live.close("step.shutdown() was called")
         self._closed = self._closed or self.engine is not None
         self._stop_workers()
 

@@ -39,63 +39,29 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
-import re
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensorMode,
-    UnsupportedOperatorException,
-)
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
-from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
-from alpa_torch.core.errors import (
-    CaptureError,
-    DataDependentControlFlowError,
-    LossError,
-    PlanError,
-    UnsupportedOperatorError,
-)
+from alpa_torch.core.errors import CaptureError, LossError, PlanError
 from alpa_torch.core.grad_op import GRAD_MARKER, grad_marker
 from alpa_torch.core.graph import IOSpec, OpGraph
 from alpa_torch.core.graph_facts import build_nodes
 
 from . import masked_mean
 from . import optim as fopt
-from .grouped_mm import grouped_mm_dense
+from .tracing import Inputs, traced
 
 log = logging.getLogger(__name__)
-aten = torch.ops.aten
 
 
-
-
-def _batch_norm_as_legit(input, weight, bias, running_mean, running_var, training, momentum, eps):
-    # native_batch_norm mutates its running stats without saying so in its
-    # schema; _native_batch_norm_legit declares the mutation, so functionalize
-    # turns it into outputs. Same kernel, same numbers.
-    if running_mean is None:
-        return aten._native_batch_norm_legit.no_stats(input, weight, bias, training, momentum, eps)
-    return aten._native_batch_norm_legit.default(
-        input, weight, bias, running_mean, running_var, training, momentum, eps
-    )
-
-
-_DECOMPOSITIONS = {
-    aten.native_batch_norm.default: _batch_norm_as_legit,
-    # MoE experts (transformers' default grouped_mm): the fake kernel takes bfloat16 only
-    aten._grouped_mm.default: grouped_mm_dense,
-}
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 """``precision`` values: the autocast compute dtype (None: no autocast)."""
@@ -300,36 +266,8 @@ def _marking_backward(leaves: dict[str, torch.Tensor], order: list[str], amp: _A
         torch.Tensor.backward = original
 
 
-def _user_frame(exc: BaseException) -> str:
-    """The deepest traceback frame outside torch and alpa-torch: the user's line."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    torch_dir = os.path.dirname(torch.__file__)
-    best = ""
-    for frame in traceback.extract_tb(exc.__traceback__):
-        path = os.path.abspath(frame.filename)
-        if not path.startswith(torch_dir) and not path.startswith(os.path.join(here, "alpa_torch")):
-            best = f'{frame.filename}:{frame.lineno}: {(frame.line or "").strip()}'
-    return best or "<unknown line>"
-
-
-class _Inputs:
-    """Flat graph inputs (example values) and their specs, in graph order."""
-
-    def __init__(self):
-        self.specs: list[tuple[str, str]] = []
-        self.values: list[torch.Tensor] = []
-
-    def add(self, kind: str, name: str, value: torch.Tensor) -> None:
-        self.specs.append((kind, name))
-        self.values.append(value)
-
-    def slice(self, kind: str) -> range:
-        idx = [i for i, (k, _) in enumerate(self.specs) if k == kind]
-        return range(idx[0], idx[-1] + 1) if idx else range(0)
-
-
-def _collect_inputs(model, functional, batch_leaves, step) -> _Inputs:
-    ins = _Inputs()
+def _collect_inputs(model, functional, batch_leaves, step) -> Inputs:
+    ins = Inputs()
     for name, p in model.named_parameters():
         ins.add("param", name, p.detach())
     for name, b in model.named_buffers():
@@ -349,7 +287,7 @@ def _collect_inputs(model, functional, batch_leaves, step) -> _Inputs:
     return ins
 
 
-def _make_step_fn(train_step, model, functional, ins: _Inputs, batch_leaves, batch_spec, precision="fp32",
+def _make_step_fn(train_step, model, functional, ins: Inputs, batch_leaves, batch_spec, precision="fp32",
                   device_type="cpu"):
     """The pure function of flat inputs that pass 1 traces."""
     names = [n for k, n in ins.specs]
@@ -408,83 +346,6 @@ def _check_loss(loss: Any) -> None:
         )
 
 
-def _fake_inputs(mode: FakeTensorMode, values: list[torch.Tensor]) -> list[torch.Tensor]:
-    out = []
-    for t in values:
-        if t.device.type == "meta":  # weights without memory: plan-only capture
-            with mode:
-                out.append(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu"))
-        else:
-            out.append(mode.from_tensor(t))
-    return out
-
-
-def _trace(step_fn, fake_values, mode):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    # The math SDPA backend decomposes into shardable matmul/softmax ops
-    # (the CPU flash kernel has no sharding strategy: docs/design.md).
-    with mode, sdpa_kernel(SDPBackend.MATH):
-        gm = make_fx(step_fn, decomposition_table=_DECOMPOSITIONS)(*fake_values)
-        if _mutates(gm):  # re-tracing to functionalize costs ~40 % of capturing: only where something is written
-            gm = make_fx(torch.func.functionalize(gm, remove="mutations"))(*fake_values)
-    return gm
-
-
-def _mutates(gm: fx.GraphModule) -> bool:
-    """Whether an operator of ``gm`` writes into a tensor (an in-place or ``out=`` op: BatchNorm's
-    running statistics, ``x.add_(...)`` in a step). The capture's own backward and optimizer
-    write nothing (the functional optimizer, gradients as values), so most graphs have none."""
-    return any(node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-               and node.target._schema.is_mutable for node in gm.graph.nodes)
-
-
-def _translate_trace_error(exc: BaseException) -> Exception | None:
-    where = _user_frame(exc)
-    if isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException)) or "data-dependent" in str(exc):
-        return DataDependentControlFlowError(
-            f"the step depends on tensor values at {where} (Python control flow, .item(), or a "
-            "data-dependent shape), so it has no single static graph; compute on tensors instead "
-            "(torch.where, masks) or move the decision outside train_step"
-        )
-    op = _op_without_fake_kernel(exc)
-    if op is not None:
-        return UnsupportedOperatorError(
-            f"operator {op} at {where} cannot be traced (no meta/fake kernel); replace it with "
-            f'standard torch operators or register a fake implementation: torch.library.register_fake("{op}") '
-            "(the .register_fake decorator of a torch.library.custom_op)"
-        )
-    return None
-
-
-# torch.library.custom_op without register_fake raises a plain RuntimeError
-# (torch/_library/custom_ops.py), not UnsupportedOperatorException.
-_NO_FAKE_IMPL = re.compile(r"no fake impl registered for <CustomOpDef\((?P<op>[^)]+)\)>")
-
-
-def _op_without_fake_kernel(exc: BaseException) -> str | None:
-    """The operator ``exc`` says has no fake kernel, or None."""
-    if isinstance(exc, UnsupportedOperatorException):
-        return exc.func._schema.name  # 'ns::op', as torch.library names it
-    match = _NO_FAKE_IMPL.search(str(exc))
-    return match.group("op") if match else None
-
-
-def _cleanup(gm: fx.GraphModule) -> None:
-    """Drop identity ops and the copies functionalize adds back into inputs."""
-    g = gm.graph
-    for node in list(g.nodes):
-        if node.op != "call_function":
-            continue
-        if node.target in (aten.detach.default, aten.alias.default):
-            node.replace_all_uses_with(node.args[0])
-            g.erase_node(node)
-        elif node.target is aten.copy_.default and node.args[0].op == "placeholder" and not node.users:
-            g.erase_node(node)
-    g.eliminate_dead_code()
-    gm.recompile()
-
-
 def capture(
     train_step: Callable, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     precision: str = "fp32",
@@ -502,24 +363,10 @@ def capture(
     batch_leaves, batch_spec = pytree.tree_flatten(batch)
     ins = _collect_inputs(model, functional, batch_leaves, step)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake_values = _fake_inputs(mode, ins.values)
-    device_type = fake_values[0].device.type if fake_values else "cpu"
+    device_type = next((v.device.type for v in ins.values if v.device.type != "meta"), "cpu")
     step_fn = _make_step_fn(train_step, model, functional, ins, batch_leaves, batch_spec, precision, device_type)
-    # A lazy GraphModule writes its Python code on first call (or .code, or pickling), not on
-    # every recompile: capture rewrites the graph three times and planning never runs it
-    # (LLaMA-3-8B: 1.5 of 9 s were spent generating code nobody called).
+    gm = traced(step_fn, ins.values, mode, "train_step")
     with _use_lazy_graph_module(True):
-        try:
-            gm = _trace(step_fn, fake_values, mode)
-        except CaptureError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - translated into a user-facing error
-            translated = _translate_trace_error(exc)
-            if translated is None:
-                raise CaptureError(
-                    f"tracing train_step failed at {_user_frame(exc)}: {type(exc).__name__}: {exc}") from exc
-            raise translated from exc
-        _cleanup(gm)
         norms = _exact_masked_means(gm, ins, mode)
     graph = _assemble(gm, ins, functional, model)
     graph.meta["loss_norms"] = norms
@@ -533,7 +380,7 @@ def capture(
     return graph
 
 
-def _exact_masked_means(gm: fx.GraphModule, ins: _Inputs, mode: FakeTensorMode) -> dict:
+def _exact_masked_means(gm: fx.GraphModule, ins: Inputs, mode: FakeTensorMode) -> dict:
     """``masked_mean.rewrite`` on the traced graph: each count it divides by becomes a batch input
     (appended after the batch's own leaves, as ``_assemble`` expects)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -551,7 +398,7 @@ def _exact_masked_means(gm: fx.GraphModule, ins: _Inputs, mode: FakeTensorMode) 
     return masked_mean.rewrite(gm, batch_nodes, add_input)
 
 
-def _assemble(gm: fx.GraphModule, ins: _Inputs, functional, model) -> OpGraph:
+def _assemble(gm: fx.GraphModule, ins: Inputs, functional, model) -> OpGraph:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     assert len(placeholders) == len(ins.specs), "placeholder count differs from inputs"
     inputs = tuple(

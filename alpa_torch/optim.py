@@ -353,11 +353,25 @@ class FunctionalOptimizer:
     def user_state(self, name: str) -> dict:
         return self.optimizer.state.get(self.param_of[name], {})
 
-    def write_back(self, states: Mapping[str, Mapping[str, torch.Tensor]], step: int) -> None:
-        """Store functional state into the user's optimizer, as torch.optim would hold it."""
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """State name (``{param}.{key}``, as the graph names it) -> the tensor the user's optimizer holds."""
+        out = {}
+        for name in self.names:
+            state = self.user_state(name)
+            for key in self.state_names(name):
+                if isinstance(state.get(key), torch.Tensor):
+                    out[f"{name}.{key}"] = state[key]
+        return out
+
+    def write_back(self, states: Mapping[str, torch.Tensor], step: int, trained: set[str] | None = None) -> None:
+        """Store functional state (by state name) into the user's optimizer, as torch.optim would hold it.
+        ``trained``: the parameters the step updates (None: all); torch.optim keeps no state for a
+        parameter that never had a gradient (a frozen one left in the optimizer), so neither does this."""
         for name in self.names:
             p = self.param_of[name]
-            entry = {k: v.detach().clone() for k, v in states[name].items()}
+            if trained is not None and name not in trained and not self.user_state(name):
+                continue
+            entry = {k: states[f"{name}.{k}"].detach().clone() for k in self.state_names(name)}
             if self.groups[self.group_of[name]].kind == "adam":
                 entry["step"] = torch.tensor(float(step))
             self.optimizer.state[p] = entry

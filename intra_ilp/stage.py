@@ -42,7 +42,7 @@ import torch.fx as fx
 
 from alpa_torch.core.errors import PlanError
 from alpa_torch.core.grad_op import GRAD_MARKER_NAME
-from alpa_torch.core.graph import OpGraph
+from alpa_torch.core.graph import OpGraph, source_line
 from alpa_torch.core.sharding import StageSharding
 from alpa_torch.core.spec import ShardingSpec
 
@@ -53,12 +53,6 @@ from .strategies import Strategy, node_strategies, source_specs
 
 WL_ROUNDS = 3
 """Rounds of label refinement for ``exploit_repetition`` (the radius of the likeness test)."""
-
-
-def _source_line(node) -> str:
-    """', from File "...", line N' (the user's code that made ``node``), or ''."""
-    lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").splitlines() if ln.strip().startswith("File")]
-    return f", from {lines[-1]}" if lines else ""
 
 
 def _val(node: fx.Node):
@@ -228,7 +222,7 @@ class _Builder:
                 except Exception as exc:
                     exc.add_note(f"while pricing the strategies of operator {name} ({node.target}, output "
                                  f"{tuple(getattr(val, 'shape', ()))}) on mesh {tuple(self.mesh.mesh_shape)}"
-                                 f"{_source_line(node)}")
+                                 f"{', from ' + source_line(node) if source_line(node) else ''}")
                     raise
             _, comp, mem = hit
             out.append(ILPNode(name=name, strategy_names=self.names_of(name), compute_s=comp,

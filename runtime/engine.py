@@ -147,8 +147,8 @@ def _step(state: dict, microbatches: list, scalars: dict, answer=None):
     return state["program"].step(microbatches, scalars, answer)
 
 
-def _gather(state: dict) -> dict | None:
-    full = state["runner"].gather_state()  # a collective of the stage's devices
+def _gather(state: dict, names: frozenset[str] | None = None) -> dict | None:
+    full = state["runner"].gather_state(names)  # a collective of the stage's devices
     return full if state["first_of_stage"] else None
 
 
@@ -275,9 +275,10 @@ class Engine:
         per_rank = self.group.call_all(_events)
         return [(self.stage_of_rank[r], r, events) for r, events in enumerate(per_rank)]
 
-    def gather_state(self) -> dict[str, np.ndarray]:
-        """Full values of every stage's state (wire arrays), gathered in each stage's first device."""
-        results = self.group.call_all(_gather)
+    def gather_state(self, names=None) -> dict[str, np.ndarray]:
+        """Full values of every stage's state (wire arrays; only ``names`` if given), gathered in each
+        stage's first device."""
+        results = self.group.call_all(_gather, None if names is None else frozenset(names))
         out = {}
         for st in self.stages:
             out.update(results[st.ranks[0]])

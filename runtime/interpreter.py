@@ -250,10 +250,10 @@ class StageRunner:
                 todo[name] = value
         return gather_replicated(self.mesh, todo, local=self.replaying) if todo else {}
 
-    def gather_state(self) -> dict[str, torch.Tensor]:
-        """Full values of this runner's state (a collective among its mesh's devices)."""
+    def gather_state(self, names=None) -> dict[str, torch.Tensor]:
+        """Full values of this runner's state (only ``names`` if given; a collective among its mesh's devices)."""
         return {name: value.full_tensor() if isinstance(value, DTensor) else value
-                for name, value in self.state.items()}
+                for name, value in self.state.items() if names is None or name in names}
 
     # ---------------------------------------------------------------- step
     @property

@@ -165,7 +165,7 @@ def _clipped_step(model, optimizer, batch):
 def _make_fx_calls(monkeypatch) -> list:
     import importlib
 
-    module = importlib.import_module("alpa_torch.capture")
+    module = importlib.import_module("alpa_torch.tracing")
     calls, real = [], module.make_fx
     monkeypatch.setattr(module, "make_fx", lambda *a, **kw: calls.append(a) or real(*a, **kw))
     return calls

@@ -148,7 +148,7 @@ def test_write_back_gives_the_state_torch_would_hold(make, groups):
                   for i, g in enumerate(trained.param_groups)])
     fo.optimizer = fresh
     fo.param_of = dict(zip(fo.names, fresh_params))
-    fo.write_back(states, STEPS)
+    fo.write_back({f"{n}.{k}": v for n, st in states.items() for k, v in st.items()}, STEPS)
     for p_old, p_new in zip((p for g in trained.param_groups for p in g["params"]), fresh_params):
         assert set(fresh.state[p_new]) == set(trained.state[p_old])
     for p_old, p_new in zip((p for g in trained.param_groups for p in g["params"]), fresh_params):

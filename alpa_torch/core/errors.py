@@ -118,3 +118,8 @@ def require_extra(module: str, extra: str, purpose: str) -> None:
     if importlib.util.find_spec(module) is None:
         raise MissingExtraError(f"{purpose} needs the {module} package, which is not installed. "
                                 f'Fix: pip install "alpa-torch[{extra}]" (or pip install {module})')
+
+
+class StateOnWorkersError(AlpaTorchError, RuntimeError):
+    """A read of the model or optimizer after a parallel step would need state that cannot or should
+    not come to this process (``alpa_torch.live``): the message says what to use instead."""

@@ -35,6 +35,12 @@ OUTPUT_KINDS = ("loss", "param", "buffer", "opt_state")
 PHASES = ("forward", "backward", "update")
 
 
+def source_line(node: fx.Node) -> str:
+    """The user's line that made ``node`` (``File "...", line N`` from its stack trace), or ''."""
+    lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").splitlines() if ln.strip().startswith("File")]
+    return lines[-1] if lines else ""
+
+
 @dataclass(frozen=True, slots=True)
 class IOSpec:
     """One graph input or output."""

@@ -1,0 +1,216 @@
+"""Tracing a user's function into a functional aten graph on fake tensors: what every capture shares.
+
+``capture.py`` traces a whole training step and ``capture_forward.py`` a forward-only
+function (an evaluation); both hand this module a pure function of flat inputs
+(``Inputs``: example values and their kinds and names) and get back a cleaned-up
+``fx.GraphModule``:
+
+- ``make_fx`` on fake tensors (a model on the ``meta`` device needs no memory), with
+  the decompositions every capture needs (``DECOMPOSITIONS``);
+- where the graph writes into a tensor, a second ``functionalize`` pass makes the
+  writes pure operators whose results are graph outputs;
+- identity operators and the copies back into inputs dropped (``cleanup``);
+- a failure translated into a named error at the user's line (``translate_trace_error``),
+  and the checks fake tensors skip but eager kernels make (``check_kernel_dtypes``).
+
+What this module does not do: decide what the inputs and outputs mean (the captures do).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import traceback
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from alpa_torch.core.errors import (
+    CaptureError,
+    DataDependentControlFlowError,
+    UnsupportedOperatorError,
+)
+from alpa_torch.core.graph import source_line
+
+from .grouped_mm import grouped_mm_dense
+
+aten = torch.ops.aten
+
+
+def _batch_norm_as_legit(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    # native_batch_norm mutates its running stats without saying so in its
+    # schema; _native_batch_norm_legit declares the mutation, so functionalize
+    # turns it into outputs. Same kernel, same numbers.
+    if running_mean is None:
+        return aten._native_batch_norm_legit.no_stats(input, weight, bias, training, momentum, eps)
+    return aten._native_batch_norm_legit.default(
+        input, weight, bias, running_mean, running_var, training, momentum, eps
+    )
+
+
+DECOMPOSITIONS = {
+    aten.native_batch_norm.default: _batch_norm_as_legit,
+    # MoE experts (transformers' default grouped_mm): the fake kernel takes bfloat16 only
+    aten._grouped_mm.default: grouped_mm_dense,
+}
+
+
+class Inputs:
+    """Flat graph inputs (example values) and their kinds and names, in graph order."""
+
+    def __init__(self):
+        self.specs: list[tuple[str, str]] = []
+        self.values: list[torch.Tensor] = []
+
+    def add(self, kind: str, name: str, value: torch.Tensor) -> None:
+        self.specs.append((kind, name))
+        self.values.append(value)
+
+    def slice(self, kind: str) -> range:
+        idx = [i for i, (k, _) in enumerate(self.specs) if k == kind]
+        return range(idx[0], idx[-1] + 1) if idx else range(0)
+
+
+def fake_inputs(mode: FakeTensorMode, values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Fake tensors of ``values`` (a meta tensor becomes a fake CPU tensor of its shape)."""
+    out = []
+    for t in values:
+        if t.device.type == "meta":  # weights without memory: plan-only capture
+            with mode:
+                out.append(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu"))
+        else:
+            out.append(mode.from_tensor(t))
+    return out
+
+
+def traced(fn, values: list[torch.Tensor], mode: FakeTensorMode, what: str) -> fx.GraphModule:
+    """``fn`` traced on the fake tensors of ``values``, functional and cleaned up (module
+    docstring); a failure raised as a named ``CaptureError`` (``what``: the user's function, for
+    the message)."""
+    fake = fake_inputs(mode, values)
+    # A lazy GraphModule writes its Python code on first call (or .code, or pickling), not on
+    # every recompile: capture rewrites the graph three times and planning never runs it
+    # (LLaMA-3-8B: 1.5 of 9 s were spent generating code nobody called).
+    with _use_lazy_graph_module(True):
+        try:
+            gm = _trace(fn, fake, mode)
+        except CaptureError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - translated into a user-facing error
+            translated = translate_trace_error(exc)
+            if translated is None:
+                raise CaptureError(f"tracing {what} failed at {user_frame(exc)}: {type(exc).__name__}: {exc}") from exc
+            raise translated from exc
+        cleanup(gm)
+        check_kernel_dtypes(gm)
+    return gm
+
+
+def _trace(fn, fake_values, mode):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    # The math SDPA backend decomposes into shardable matmul/softmax ops
+    # (the CPU flash kernel has no sharding strategy: docs/design.md).
+    with mode, sdpa_kernel(SDPBackend.MATH):
+        gm = make_fx(fn, decomposition_table=DECOMPOSITIONS)(*fake_values)
+        if mutates(gm):  # re-tracing to functionalize costs ~40 % of capturing: only where something is written
+            gm = make_fx(torch.func.functionalize(gm, remove="mutations"))(*fake_values)
+    return gm
+
+
+def mutates(gm: fx.GraphModule) -> bool:
+    """Whether an operator of ``gm`` writes into a tensor (an in-place or ``out=`` op: BatchNorm's
+    running statistics, ``x.add_(...)`` in a step). The capture's own backward and optimizer
+    write nothing (the functional optimizer, gradients as values), so most graphs have none."""
+    return any(node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+               and node.target._schema.is_mutable for node in gm.graph.nodes)
+
+
+def cleanup(gm: fx.GraphModule) -> None:
+    """Drop identity ops and the copies functionalize adds back into inputs."""
+    g = gm.graph
+    for node in list(g.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in (aten.detach.default, aten.alias.default):
+            node.replace_all_uses_with(node.args[0])
+            g.erase_node(node)
+        elif node.target is aten.copy_.default and node.args[0].op == "placeholder" and not node.users:
+            g.erase_node(node)
+    g.eliminate_dead_code()
+    gm.recompile()
+
+
+_SAME_DTYPE = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.addbmm, aten.mv, aten.addmv, aten.dot,
+               aten.vdot, aten.convolution}
+"""Operators whose eager kernels refuse floating-point inputs of different dtypes, where the fake
+kernels (shapes only) do not check: a float64 batch into float32 weights traced fine and failed on
+every worker."""
+
+
+def check_kernel_dtypes(gm: fx.GraphModule) -> None:
+    """Raise eager's error, as a ``CaptureError`` at the user's line, where an operator of
+    ``_SAME_DTYPE`` reads floating-point tensors of different dtypes."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "_overloadpacket", None) not in _SAME_DTYPE:
+            continue
+        vals = [a.meta.get("val") for a in node.args if isinstance(a, fx.Node)]
+        dtypes = [v.dtype for v in vals if isinstance(v, torch.Tensor) and v.dtype.is_floating_point]
+        if len(set(dtypes)) > 1:
+            where = f" at {source_line(node)}" if source_line(node) else ""
+            raise CaptureError(
+                f"{node.target._overloadpacket.__name__} reads tensors of dtypes {', '.join(map(str, dtypes))}{where}: "
+                f"eager PyTorch raises here too (mat1 and mat2 must have the same dtype). Fix: give the batch the "
+                f"model's dtype (e.g. x.to({dtypes[-1]})), or cast inside the step")
+
+
+def user_frame(exc: BaseException) -> str:
+    """The deepest traceback frame outside torch and alpa-torch: the user's line."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    torch_dir = os.path.dirname(torch.__file__)
+    best = ""
+    for frame in traceback.extract_tb(exc.__traceback__):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith(torch_dir) and not path.startswith(os.path.join(here, "alpa_torch")):
+            best = f'{frame.filename}:{frame.lineno}: {(frame.line or "").strip()}'
+    return best or "<unknown line>"
+
+
+def translate_trace_error(exc: BaseException) -> Exception | None:
+    """A named ``CaptureError`` for a tracing failure the user can act on, or None."""
+    where = user_frame(exc)
+    if isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException)) or "data-dependent" in str(exc):
+        return DataDependentControlFlowError(
+            f"the step depends on tensor values at {where} (Python control flow, .item(), or a "
+            "data-dependent shape), so it has no single static graph; compute on tensors instead "
+            "(torch.where, masks) or move the decision outside train_step"
+        )
+    op = _op_without_fake_kernel(exc)
+    if op is not None:
+        return UnsupportedOperatorError(
+            f"operator {op} at {where} cannot be traced (no meta/fake kernel); replace it with "
+            f'standard torch operators or register a fake implementation: torch.library.register_fake("{op}") '
+            "(the .register_fake decorator of a torch.library.custom_op)"
+        )
+    return None
+
+
+# torch.library.custom_op without register_fake raises a plain RuntimeError
+# (torch/_library/custom_ops.py), not UnsupportedOperatorException.
+_NO_FAKE_IMPL = re.compile(r"no fake impl registered for <CustomOpDef\((?P<op>[^)]+)\)>")
+
+
+def _op_without_fake_kernel(exc: BaseException) -> str | None:
+    """The operator ``exc`` says has no fake kernel, or None."""
+    if isinstance(exc, UnsupportedOperatorException):
+        return exc.func._schema.name  # 'ns::op', as torch.library names it
+    match = _NO_FAKE_IMPL.search(str(exc))
+    return match.group("op") if match else None
