@@ -136,6 +136,8 @@ class ParallelStep(ResilientStep):
         None: half of the memory this machine has available at the time of the read."""
         self._live: LiveState | None = None
         """Keeps the model and optimizer objects in step with the workers (``alpa_torch.live``)."""
+        self.deployments = 0
+        """Plans deployed on the workers so far (an evaluation planned against one re-plans after)."""
         self.progress = progress
         self.plan_cache = PlanCache.from_option(plan_cache)
         self._layout: BatchLayout | None = None
@@ -365,7 +367,16 @@ class ParallelStep(ResilientStep):
         specs = {s.name: s for s in self.graph.inputs if s.kind == "batch"}
         return [specs.get(f"batch.{i}") for i in range(len(self._layout.kinds))]
 
+    def evaluate(self, fn: Callable) -> Any:
+        """``fn(model, batch)`` (forward only: a validation loss, metrics, a generation loop) as a
+        callable ``evaluate(model, batch)`` that runs on this step's workers against the live
+        trained state, planned for inference (``alpa_torch.evaluate``)."""
+        from .evaluate import ParallelEval
+
+        return ParallelEval(fn, step=self)
+
     def _deploy(self):
+        self.deployments += 1
         engine, self._recomputed = deploy_plan(self.group, self.plan, self.run_graph, self.cluster, self._seed,
                                                self._combine)
         if self.trace:
@@ -420,12 +431,20 @@ class ParallelStep(ResilientStep):
         changes = self._live.changes()
         if not self._live.stale["optimizer"] and not self._functional.device_step:
             self._step = self._functional.step_count()  # load_state_dict may have set it back
-        if changes.recapture is None and changes.values:
-            log.info("sending %d tensor(s) changed in the model or optimizer since the last step to the workers",
-                     len(changes.values))
-            self.engine.load([Values(to_wire_dict(changes.values))])
-            self._live.sent(changes.values)
+        if changes.recapture is None:
+            self._send(changes.values)
         return changes.recapture
+
+    def _push_user_values(self) -> None:
+        """Send the values the user changed since the last step (before an evaluation reads them)."""
+        self._send(self._live.changes(values_only=True).values)
+
+    def _send(self, values: dict[str, torch.Tensor]) -> None:
+        if values:
+            log.info("sending %d tensor(s) changed in the model or optimizer since the last step to the workers",
+                     len(values))
+            self.engine.load([Values(to_wire_dict(values))])
+            self._live.sent(values)
 
     def _part_names(self, part: str, graph=None) -> list[str]:
         """The state names of ``part`` ('model': parameters and buffers; 'optimizer': its state)."""
@@ -695,4 +714,24 @@ def parallelize(train_step: Callable | Cluster | None = None, cluster: Cluster |
     if not callable(train_step):
         raise TypeError(f"parallelize's first argument is a {type(train_step).__name__}; pass the training step "
                         "function: parallelize(train_step, cluster)")
+    if _forward_only(train_step):
+        from .evaluate import ParallelEval
+
+        allowed = {"precision", "init_fn", "weights"}
+        if set(options) - allowed:
+            raise TypeError(f"parallelize({train_step.__name__}) runs a forward function (model, batch) for inference, "
+                            f"which takes {sorted(allowed)} of parallelize's options, not "
+                            f"{sorted(set(options) - allowed)}")
+        return ParallelEval(train_step, cluster=cluster, **options)
     return ParallelStep(train_step, cluster, **options)
+
+
+def _forward_only(fn: Callable) -> bool:
+    """``fn`` takes exactly (model, batch): a forward function to run for inference, not a training step."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a callable without a signature: a training step
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    return len(required) == 2 and not any(p.kind == p.VAR_POSITIONAL for p in params)

@@ -71,7 +71,7 @@ def empty_weights() -> Iterator[None]:
         torch.nn.Module.register_parameter = register
 
 
-def model_sources(graph: OpGraph, model: torch.nn.Module, functional: FunctionalOptimizer, *, seed: int,
+def model_sources(graph: OpGraph, model: torch.nn.Module, functional: FunctionalOptimizer | None, *, seed: int,
                   init_fn=None, weights: str | Path | None = None) -> list:
     """The sources of the step's initial state (the first source that has a name gives it):
     ``weights``' files, the values the driver holds, zeros, the initialisation on the workers."""
@@ -82,7 +82,7 @@ def model_sources(graph: OpGraph, model: torch.nn.Module, functional: Functional
     for n, t in tensors.items():
         if not t.is_meta:
             values[n] = t.detach()
-    for name in functional.names:  # FunctionalOptimizer.initial_state's rule, its zeros made on the workers
+    for name in functional.names if functional is not None else ():  # initial_state's rule, zeros made on workers
         user = functional.user_state(name)
         for key in functional.state_names(name):
             value = user.get(key)
@@ -94,7 +94,7 @@ def model_sources(graph: OpGraph, model: torch.nn.Module, functional: Functional
                                 "load its state with step.load(checkpoint)")
             else:
                 values[f"{name}.{key}"] = value.detach()
-    if functional.device_step:  # fp16 loss scaling state
+    if functional is not None and functional.device_step:  # fp16 loss scaling state
         values.update(LossScaler.initial_state(functional.step_count()))
     sources: list = []
     if weights is not None:  # first: the files' weights win over the model's own values

@@ -116,13 +116,17 @@ class LiveState:
         """A step changed the workers' state: the objects are behind until the next read."""
         self.stale = dict.fromkeys(PARTS, True)
 
-    def changes(self) -> Changes:
+    def changes(self, values_only: bool = False) -> Changes:
         """What the user changed since the objects last matched the workers (``Changes``); the
-        caller sends ``values`` to the workers (then calls ``sent``) or captures again."""
+        caller sends ``values`` to the workers (then calls ``sent``) or captures again.
+        ``values_only``: the changed values alone, the rest left for the next step to see (an
+        evaluation runs in whatever mode the model is in)."""
         if not self.touched:
             return Changes()
-        self.touched = False
         with self.internal():
+            if values_only:
+                return Changes(values=self._changed_values())
+            self.touched = False
             modes = self._modes_now()
             if modes != self._modes:
                 name, (_, now) = next(iter(_diff(self._modes, modes)))
@@ -132,14 +136,17 @@ class LiveState:
             if structure != self._structure:
                 name, (was, now) = next(iter(_diff(self._structure, structure)))
                 return Changes(recapture=f"{name} changed: {_what_changed(was, now)}")
-            changed = {}
-            for part in PARTS:
-                if self.stale[part]:
-                    continue  # the user never read it since the last step: it is the workers' state
-                for name, t in self._tensors(part).items():
-                    if self._sums.get(name) != (id(t), checksum(t)):
-                        changed[name] = t
-        return Changes(values=changed)
+            return Changes(values=self._changed_values())
+
+    def _changed_values(self) -> dict[str, torch.Tensor]:
+        changed = {}
+        for part in PARTS:
+            if self.stale[part]:
+                continue  # the user never read it since the last step: it is the workers' state
+            for name, t in self._tensors(part).items():
+                if self._sums.get(name) != (id(t), checksum(t)):
+                    changed[name] = t
+        return changed
 
     def sent(self, names) -> None:
         """The workers now hold what the objects hold for ``names``."""

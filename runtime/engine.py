@@ -81,7 +81,7 @@ def _release(state: dict) -> None:
     the GPU's cache is emptied), so the next deployment's peak is its own (``Engine.memory``)."""
     import gc
 
-    for key in ("program", "runner", "recorder"):
+    for key in ("program", "runner", "recorder", "evals"):  # an evaluation reads the runner it was planned for
         state.pop(key, None)
     gc.collect()
     release_freed(state["device"])  # the next deployment measures its own peak (device_memory.py)
@@ -102,6 +102,7 @@ def _install(state: dict, records_bytes: bytes, setup: dict, stage: int) -> bool
     from .timeline import StepRecorder
 
     _release(state)
+    state["state_version"] = state.get("state_version", 0) + 1
     keep_freed_memory()
     records = pickle.loads(records_bytes)
     device_type = state["device"].type
@@ -137,13 +138,23 @@ def _events(state: dict) -> list:
     return state["recorder"].events
 
 
+def _new_state(state: dict) -> None:
+    """The training state is about to change: the evaluations' copies of it go (``evaluation.py``)."""
+    from .evaluation import drop_copies
+
+    drop_copies(state)
+    state["state_version"] = state.get("state_version", 0) + 1
+
+
 def _load(state: dict, sources: list, metas: dict) -> bool:
+    _new_state(state)
     state["runner"].load_from(sources, metas)
     return True
 
 
 def _step(state: dict, microbatches: list, scalars: dict, answer=None):
     """One step; ``answer(loss)`` as soon as this rank has its part of the loss (``run_early``)."""
+    _new_state(state)
     return state["program"].step(microbatches, scalars, answer)
 
 

@@ -96,7 +96,10 @@ class StageRunner:
     """Holds one device's shards of the model state and runs the planned step."""
 
     def __init__(self, records: list[tuple], value_specs: dict[str, str], input_specs: dict[str, list[str]],
-                 io: dict, mesh: DeviceMesh, bucket_cap_bytes: int = BUCKET_CAP_BYTES, seed: int = 0):
+                 io: dict, mesh: DeviceMesh, bucket_cap_bytes: int = BUCKET_CAP_BYTES, seed: int = 0,
+                 donate_state: bool = True):
+        """``donate_state``: a step may write into state memory the runner owns (False: an evaluation
+        reading state it does not own, ``evaluation.py``)."""
         self.mesh = mesh
         self.device = mesh_device(mesh)
         """Where this device's tensors live: the mesh's device type (``cuda``: the worker's GPU)."""
@@ -147,7 +150,7 @@ class StageRunner:
         self._random = {name: self._shard_coords(name) for op, name, t, *_ in self.nodes
                         if op == "call_function" and is_random(t)}
         """Random operator -> this device's coordinates on the axes that shard its output."""
-        self.program = self.compile(self.nodes, collect=True, donate_state=True)
+        self.program = self.compile(self.nodes, collect=True, donate_state=donate_state)
         if self.reductions:
             log.info("%d of the step's gradients reduced in buckets", len(self.reductions))
 
@@ -305,6 +308,29 @@ class StageRunner:
         self.end_step()
         self._answer = None
         return loss
+
+    def evaluate(self, batch: dict[str, np.ndarray]) -> list[torch.Tensor]:
+        """A forward-only program (``evaluation.py``) on ``batch``: its outputs whole on every device (a
+        collective), the state left as it was."""
+        self.rng.begin_step()
+        env: dict[str, Any] = {}
+        for kind, name, node in self.inputs:
+            if kind == "batch":
+                self.put_batch(env, node, batch[name])
+            else:
+                env[node] = self._state[name]
+        self.enter(env)
+        results = self.run(self.program, env)
+        outs = []
+        for (_, _, node), value in zip(self.outputs, results):
+            value = self.as_dtensor(node, value)
+            outs.append(value.full_tensor() if isinstance(value, DTensor) else value)
+        self.end_step()
+        return outs
+
+    def drop_state(self) -> None:
+        """Let go of every state tensor (an evaluation's copies, before the state changes)."""
+        self._state.clear()
 
     def _loss_ready(self, value) -> None:
         """The loss, just computed by the forward: to the step's ``answer``, if it has one."""

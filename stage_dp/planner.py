@@ -18,10 +18,11 @@ import logging
 from collections.abc import Callable
 
 from alpa_torch.core.cluster import Cluster
-from alpa_torch.core.errors import PlanError
+from alpa_torch.core.errors import InfeasibleMemoryError, PlanError
 from alpa_torch.core.graph import OpGraph
 from alpa_torch.core.options import PlanOptions
 from alpa_torch.core.plan import ParallelPlan
+from alpa_torch.core.sharding import StageSharding
 
 from .coupling import batch_coupling
 from .layer_assign import assign_layers
@@ -75,3 +76,34 @@ def make_plan_with_model(graph: OpGraph, cluster: Cluster, options: PlanOptions 
     model = StageCostModel(graph, cluster, layers, sharding=options.sharding, logical_shapes=options.logical_shapes,
                            progress=progress, submeshes=planned_submeshes(cluster, options))
     return plan(graph, cluster, options, progress=progress, cost_model=model), model
+
+
+def plan_forward(graph: OpGraph, cluster: Cluster, *, memory_budget_bytes: float,
+                 mesh_shape: tuple[int, int] | None = None, force: dict[str, str] | None = None) -> StageSharding:
+    """The sharding of a forward-only graph (``alpa_torch.capture_forward``: an evaluation) as one
+    stage on every device of ``cluster``: the fastest of the whole cluster's logical meshes (one ILP
+    each), or of ``mesh_shape`` alone; ``force``: value -> spec the plan keeps (the parameters where
+    a training plan stores them, so the evaluation reads them in place). Activations of a forward
+    without backward live one operator at a time: the memory row is the state the graph reads
+    (``memory_budget_bytes``: what the device has left for it)."""
+    from intra_ilp import cost_model as cm
+    from intra_ilp.stage import solve_stage
+
+    submesh = (cluster.num_hosts, cluster.devices_per_host)
+    shapes = [mesh_shape] if mesh_shape is not None else list(cluster.logical_mesh_shapes(submesh))
+    best, errors = None, []
+    for shape in shapes:
+        mesh = cm.MeshCost.from_cluster(cluster, submesh, shape, graph.meta.get("dtype", "float32"))
+        try:
+            sharding = solve_stage(graph, mesh, memory_budget_bytes=memory_budget_bytes, force=force)
+        except InfeasibleMemoryError as exc:
+            errors.append(exc)
+            continue
+        if best is None or sharding.total_s < best.total_s:
+            best = sharding
+    if best is None:
+        raise InfeasibleMemoryError(
+            f"the forward function does not fit on {cluster.num_devices} devices next to the training state "
+            f"({memory_budget_bytes / 2**30:.2f} GiB left per device): {errors[0]}",
+            min(e.required_bytes for e in errors if e.required_bytes is not None) if errors else None)
+    return best

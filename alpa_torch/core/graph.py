@@ -6,7 +6,8 @@ Produced by ``alpa_torch.capture``; consumed by ``stage_dp`` (layering), by
 The graph's inputs are, in this order: parameters, buffers, optimizer state,
 host scalars (per-step optimizer scalars such as ``-lr``) and the tensor leaves
 of the batch. Its outputs: the loss, then the new parameters, buffers and
-optimizer state. Every ``call_function`` node has an ``OpNode`` record with its
+optimizer state (a forward-only graph, ``capture_forward``: parameters, buffers and
+batch in, the function's tensors out, kind ``output``). Every ``call_function`` node has an ``OpNode`` record with its
 output shape and dtype, FLOPs, bytes moved and phase:
 
 - ``forward``  ancestors of the loss (and of updated buffers, e.g. BatchNorm
@@ -31,7 +32,7 @@ import torch.fx as fx
 log = logging.getLogger(__name__)
 
 INPUT_KINDS = ("param", "buffer", "opt_state", "host_scalar", "batch")
-OUTPUT_KINDS = ("loss", "param", "buffer", "opt_state")
+OUTPUT_KINDS = ("loss", "param", "buffer", "opt_state", "output")
 PHASES = ("forward", "backward", "update")
 
 

@@ -91,7 +91,7 @@ def _phases(gm: fx.GraphModule, inputs, outputs, marker) -> dict[str, str]:
     markers = {n.name for n in nodes if n.target is marker}
     sources = markers | {s.node for s in inputs if s.kind in ("opt_state", "host_scalar")}
     update = _reach(sources, nodes, forward=True) - markers
-    roots = {s.node for s in outputs if s.kind in ("loss", "buffer")}
+    roots = {s.node for s in outputs if s.kind in ("loss", "buffer", "output")}
     forward = _reach(roots, nodes, forward=False) - update
     backward = _reach(markers, nodes, forward=False) - update - forward
     return {
