@@ -48,9 +48,13 @@ aten = torch.ops.aten
 def _batch_norm_as_legit(input, weight, bias, running_mean, running_var, training, momentum, eps):
     # native_batch_norm mutates its running stats without saying so in its
     # schema; _native_batch_norm_legit declares the mutation, so functionalize
-    # turns it into outputs. Same kernel, same numbers.
+    # turns it into outputs. Same kernel, same numbers. In eval mode nothing is
+    # written: the variant that declares no mutation keeps the graph pure.
     if running_mean is None:
         return aten._native_batch_norm_legit.no_stats(input, weight, bias, training, momentum, eps)
+    if not training:
+        return aten._native_batch_norm_legit_no_training.default(input, weight, bias, running_mean, running_var,
+                                                                 momentum, eps)
     return aten._native_batch_norm_legit.default(
         input, weight, bias, running_mean, running_var, training, momentum, eps
     )

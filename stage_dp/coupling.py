@@ -40,7 +40,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from alpa_torch.core.graph import OpGraph
+from alpa_torch.core.graph import OpGraph, source_line
 from alpa_torch.core.microbatches import split_flags
 from alpa_torch.core.spec import Placement, R, S
 from intra_ilp.strategies import Strategy, node_strategies
@@ -63,7 +63,7 @@ def batch_coupling(graph: OpGraph) -> str | None:
     node = _pooled_used_nonlinearly(graph)
     if node is None:
         return None
-    where = _user_line(node)
+    where = f", {source_line(node)}" if source_line(node) else ""
     return (f"{node.target} ({node.name}{where}) reads a value pooled over the whole batch (a sum, mean or count "
             "over its samples) nonlinearly, so each microbatch would compute its own (e.g. a mixture-of-experts "
             "load-balancing loss)")
@@ -76,12 +76,6 @@ def _batch_norm_training(graph) -> bool:
             if node.args[5] if len(node.args) > 5 else True:
                 return True
     return False
-
-
-def _user_line(node: fx.Node) -> str:
-    """', File "...", line N, in f' (the innermost frame of the node's stack trace), or ''."""
-    lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").splitlines() if ln.strip().startswith("File")]
-    return f", {lines[-1]}" if lines else ""
 
 
 def _pooled_used_nonlinearly(graph) -> fx.Node | None:
