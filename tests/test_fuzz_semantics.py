@@ -5,8 +5,9 @@ Hypothesis composes a model (depth, width, tied weights, frozen layers), an opti
 reduction, labels padded with ignored -100s, a Python float weight in the batch, gradient
 clipping, gradient accumulation inside the step over two halves of the batch, zero_grad
 before or after the update), a
-batch container (tuple, dict, dataclass, named tuple), an LR scheduler and a plan (1x2 or
-2x2 devices; automatic, one stage, or a forced 2-stage pipeline). Each runs 3 steps
+batch container (tuple, dict, dataclass, named tuple), an LR scheduler, a plan (1x2 or
+2x2 devices; automatic, one stage, or a forced 2-stage pipeline) and what the loop does
+with the model between steps (nothing, read it, write it, evaluate it). Each runs 3 steps
 eagerly and through ``parallelize``. The only allowed outcomes: equal to eager within 1e-5
 (every loss and every parameter), or an ``AlpaTorchError`` raised at the first call before
 any worker started.
@@ -84,7 +85,33 @@ def cases(draw):
         "scheduler": draw(st.sampled_from([None, "step", "onecycle"])),
         "cluster": draw(st.sampled_from([(1, 2), (2, 2)])),
         "plan": draw(st.sampled_from(["auto", "one_stage", "two_stages"])),
+        "between": draw(st.sampled_from([None, "read", "write", "evaluate"])),
     }
+
+
+def _loss_of(model, batch):
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def make_between(case):
+    """What the loop does with the model and optimizer between steps: read them (the model's and the
+    optimizer's state), write them (a weight halved), or evaluate (eagerly, or on the cluster)."""
+    held_out = (torch.randn(BATCH, IN, generator=torch.Generator().manual_seed(9)), torch.arange(BATCH) % CLASSES)
+    evaluations = {}
+
+    def between(model, optimizer, step):
+        if case["between"] == "read":
+            return [model.state_dict(), [st for st in optimizer.state_dict()["state"].values()]]
+        if case["between"] == "write":
+            with torch.no_grad():
+                model.out.weight.mul_(0.5)
+            return None
+        if step is None:
+            with torch.no_grad():
+                return _loss_of(model, held_out)
+        return evaluations.setdefault(id(step), step.evaluate(_loss_of))(model, held_out)
+
+    return between if case["between"] else None
 
 
 def _unpack(batch, container):
@@ -163,4 +190,4 @@ def test_parallel_step_equals_eager_or_refuses_by_name(case):
         return Net(case["depth"], case["width"], case["tied"], case["frozen"])
     compare(make_step(case), batches, make_model=net, make_opt=lambda m: make_optimizer(case, m),
             schedule=lambda o: make_scheduler(case, o), cluster=Cluster.local(*case["cluster"]), refusal_ok=True,
-            context=f"({case})", **plan_options(case))
+            context=f"({case})", between=make_between(case), **plan_options(case))

@@ -36,10 +36,12 @@ def _xy(i: int, n: int = 8, dtype=torch.float32) -> tuple[torch.Tensor, torch.Te
 
 def compare(step_fn, batches, *, make_model=_mlp, make_opt=None, schedule=None, cluster=CLUSTER,
             refusal_ok: bool = False, context: str = "", loss_rtol: float = 0.0, param_atol: float = ATOL,
-            **options):
+            between=None, **options):
     """Run ``step_fn`` eagerly and through ``parallelize`` on ``batches``; assert equal losses and
     parameters (within ``ATOL``, or ``loss_rtol`` / ``param_atol`` where given).
     ``schedule(optimizer)``: an LR scheduler stepped after every step (or None);
+    ``between(model, optimizer, step)``: what the loop does with the model between steps (``step``:
+    the parallel step, None for eager); what it returns must agree within ``param_atol``;
     ``refusal_ok``: a named ``AlpaTorchError`` at the first call, before any worker starts, is
     an allowed outcome too (returns None); ``context`` goes into every assertion's message."""
     make_opt = make_opt or (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01))
@@ -63,11 +65,17 @@ def compare(step_fn, batches, *, make_model=_mlp, make_opt=None, schedule=None, 
             for s in (eager_sched, sched):
                 if s is not None:
                     s.step()
-        state = step.state_dict()
+            if between is not None:
+                seen = [between(m, o, p) for m, o, p in ((eager, eager_opt, None), (model, opt, step))]
+                for a, b in zip(*(torch.utils._pytree.tree_leaves(x) for x in seen)):
+                    torch.testing.assert_close(b, a, atol=param_atol, rtol=0, msg=f"between steps {i} {context}")
+        state = step.state_dict()["model"]
     finally:
         step.shutdown()
+    if between is not None:  # what the loop wrote after the last step is in the model object, as in eager
+        state = dict(model.named_parameters())
     for name, p in eager.named_parameters():
-        torch.testing.assert_close(state["model"][name], p.detach(), atol=param_atol, rtol=0, msg=f"{name} {context}")
+        torch.testing.assert_close(state[name], p.detach(), atol=param_atol, rtol=0, msg=f"{name} {context}")
     return step
 
 
