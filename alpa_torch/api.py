@@ -3,15 +3,15 @@
     step = parallelize(train_step, cluster=Cluster.local(1, 4))
     for batch in data:
         loss = step(model, optimizer, batch)   # runs on the cluster
-    step.sync(model, optimizer)                # pull the trained state back
+    torch.save(model.state_dict(), path)       # the model object holds the trained state
 
 The first call captures the step (``capture``), plans it (``intra_ilp``: the
 sharding of every operator on each logical mesh of the cluster, the cheapest
 kept), starts one Ray worker per device (``runtime``) and loads the model's
 and optimizer's state onto them. Every call, the first included, runs one
-training step on the cluster and returns its loss. The model and optimizer
-objects are only read on the first call; the live state stays sharded on the
-workers until ``sync`` or ``state_dict``.
+training step on the cluster and returns its loss. The live state stays sharded
+on the workers; the model and optimizer objects follow it (``live.py``: a read
+brings it back, a write is sent at the next step).
 
 Reliability (``runtime/checkpoint.py`` has the format)::
 
@@ -695,6 +695,13 @@ def parallelize(train_step: Callable | Cluster | None = None, cluster: Cluster |
     the next call that reaches the workers (the next step, ``sync``, ``state_dict``, a
     save), naming the step's rank and error. ``ALPA_TORCH_EARLY_ANSWER=0`` in the
     environment makes each step return only after its update (``runtime/worker.py``).
+
+    The model and optimizer objects stay the trained ones (``alpa_torch.live``): a read between
+    steps brings the state from the workers (at most ``driver_state_limit_bytes``, default half
+    of the memory the machine has free), a write reaches them at the next step.
+    ``step.evaluate(fn)`` runs a forward-only ``fn(model, batch)`` on the workers; and
+    ``parallelize(fn, cluster)`` on a function of ``(model, batch)`` returns a parallel forward
+    function instead of a training step (``alpa_torch.evaluate``).
 
     A model built on the meta device (``alpa_torch.empty_weights()``): ``weights`` (a
     directory of safetensors files, Hugging Face's layout) or ``init_fn`` (called on each
