@@ -93,11 +93,13 @@ def test_every_read_between_steps_sees_the_trained_state():
         assert type(copied) is torch.nn.Sequential and type(copied[0]) is torch.nn.Linear  # plain classes
         t.same(copied.state_dict(), t.eager.state_dict())
         buf = io.BytesIO()
-        torch.save({"model": t.model, "optimizer": t.opt.state_dict()}, buf)
+        torch.save({"model": t.model, "optimizer": t.opt.state_dict(), "objects": (t.model, t.opt)}, buf)
         loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
         assert type(loaded["model"]) is torch.nn.Sequential
         t.same(loaded["model"].state_dict(), t.eager.state_dict())
         t.same(_optimizer_state(loaded["optimizer"]), _optimizer_state(t.eager_opt.state_dict()))
+        assert type(loaded["objects"][1]) is torch.optim.AdamW
+        t.same(_optimizer_state(loaded["objects"][1].state_dict()), _optimizer_state(t.eager_opt.state_dict()))
         t.train(_batches(5)[3:])  # the reads changed nothing on the workers
         t.same(t.model.state_dict(), t.eager.state_dict())
     finally:
