@@ -195,6 +195,8 @@ class LiveState:
         size = self._size_bytes(part)
         with self.internal():
             meta = [n for n, t in self._tensors(part).items() if t.is_meta]
+            if part == "optimizer":  # its state belongs to parameters that have no memory either
+                meta += [n for n, t in self.model.named_parameters() if t.is_meta][:1]
         if meta:
             raise StateOnWorkersError(
                 f"the {part} was built without memory (alpa_torch.empty_weights(): {meta[0]} is on the meta device), "

@@ -227,8 +227,12 @@ def test_state_that_must_stay_on_the_workers_is_named_not_read():
             big.state_dict()
         with pytest.raises(StateOnWorkersError, match="empty_weights"):
             big(_batches(1)[0][0])
+        with pytest.raises(StateOnWorkersError, match="empty_weights"):  # its state is the parameters'
+            opt.state_dict()
     finally:
         step.shutdown()
+    with pytest.raises(StateOnWorkersError, match="gone"):  # shutdown brought nothing home
+        opt.state_dict()
     t = Twins(driver_state_limit_bytes=1000)
     try:
         t.train(_batches(1))
