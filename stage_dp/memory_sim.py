@@ -22,7 +22,7 @@ less elsewhere. This module replays what the runtime does, value by value, on si
 - **one stage, one microbatch** (``runtime/engine.py``): the whole step is one program;
   gradients are freed after their last reader in the update;
 - **a pipeline stage** (``runtime/pipeline.py``): forward and backward programs per
-  microbatch in the schedule's order (GPipe or 1F1B, ``runtime/schedule.py``), each
+  microbatch in the schedule's order (GPipe or 1F1B, ``alpa_torch/core/schedule.py``), each
   forward's kept values parked until its backward, values received from other stages
   made at the start of the phase reading them; gradients are summed over microbatches
   into an accumulator (summing allocates the new sum while the old one exists) that
@@ -396,10 +396,10 @@ def with_simulated_memory(graph, layer_of: dict[str, int], stages, *, num_microb
     programs the runtime runs: with activation checkpointing, those of the rewritten graph
     (``alpa_torch.core.remat``: copies sharded as their originals). Every stage keeps the stage
     DP's figure if the simulation cannot partition the plan (then a warning says why)."""
-    import dataclasses  # noqa: PLC0415
-    import logging  # noqa: PLC0415
+    import dataclasses
+    import logging
 
-    from alpa_torch.core.remat import extend_layer_of, extend_sharding, rematerialize  # noqa: PLC0415
+    from alpa_torch.core.remat import extend_layer_of, extend_sharding, rematerialize
 
     try:
         ranges = [(s.layer_start, s.layer_end) for s in stages]

@@ -175,8 +175,8 @@ def tied_spans(graph, layer_of) -> list[tuple[int, int]]:
     """(first, last) layer of the operators reading each parameter that several layers read.
 
     A tied weight (BERT-MLM's decoder = word embeddings, T5's shared embedding) must stay on
-    one stage: the pipeline runtime (``runtime/partition.py``) refuses a parameter read by
-    several stages, so ``build_tables`` prices every stage starting in (first, last] as inf."""
+    one stage: the split into stage programs (``alpa_torch/core/partition.py``) refuses a parameter
+    read by several stages, so ``build_tables`` prices every stage starting in (first, last] as inf."""
     params = {s.node for s in graph.inputs if s.kind == "param"}
     span: dict[str, tuple[int, int]] = {}
     for name, node in graph.nodes.items():
