@@ -9,6 +9,10 @@ Public API::
 The names below load lazily (PEP 562): importing ``alpa_torch.core`` (what a worker
 process needs) does not import the planner or Ray. Reading order, bottom-up:
 ``docs/architecture.md``.
+
+Imports: ``alpa_torch.core``, ``intra_ilp``, ``stage_dp``, ``runtime``, torch, tqdm, transformers, matplotlib.
+
+The package is the top layer: nothing below it imports ``alpa_torch`` outside ``alpa_torch.core``.
 """
 
 from __future__ import annotations

@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_measuring_args(ap, argv)
     chosen = select(ap, args.workloads, WORKLOADS, "workload")
     systems = select(ap, args.systems, SYSTEMS, "system")
-    out = open(args.out, "a") if args.out else None  # noqa: SIM115 - closed below
+    out = open(args.out, "a") if args.out else None  # closed below
 
     def emit(line: dict) -> None:
         text = dumps(line)

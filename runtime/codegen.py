@@ -121,7 +121,7 @@ def generate(program: Program, layout: Callable[[Any], Layout | None], general: 
             w.emit(f"pop({name!r}, None)")
     source = "def run(env, on_grad):\n    pop = env.pop\n" + "\n".join(w.lines) + "\n    return None\n"
     scope = {"C": w.consts, "marker": marker, "collect": collect, "constant": constant}
-    exec(compile(source, "<alpa_torch program>", "exec"), scope)  # noqa: S102 - our own generated source
+    exec(compile(source, "<alpa_torch program>", "exec"), scope)  # our own generated source
     return scope["run"]
 
 

@@ -57,7 +57,7 @@ def _node_name(node: Mapping[str, Any]) -> str:
 
 
 def read_ray_layout(address: str | None, device: str | DeviceSpec | None) -> _RayLayout:
-    import ray  # noqa: PLC0415 (heavy; only needed here)
+    import ray  # heavy; only needed here
 
     if not ray.is_initialized():
         logger.info("connecting to Ray at %s", address or "Ray's default address")

@@ -211,9 +211,9 @@ OP_CHAIN_LENGTHS = (40, 200)
 def _chain_records(n: int, shape: tuple[int, ...]) -> list[tuple]:
     """Serialized graph (``program.serialize_graph``) of ``n`` chained aten operators on inputs
     ``x``, ``y``: add, mul, flatten view, view back, repeated."""
-    import torch.fx as fx  # noqa: PLC0415
+    import torch.fx as fx
 
-    from .interpreter import serialize_graph  # noqa: PLC0415
+    from .interpreter import serialize_graph
 
     aten = torch.ops.aten
     g = fx.Graph()
@@ -243,7 +243,7 @@ class _OneDevice:
 def _chain_runner(n: int, x: torch.Tensor, mesh: Any, spec: str):
     """A ``StageRunner`` (the runtime's interpreter) of ``_chain_records(n)`` with every value and
     operator input in ``spec``, and its step: ``run() -> result``."""
-    from .interpreter import StageRunner  # noqa: PLC0415
+    from .interpreter import StageRunner
 
     records = _chain_records(n, tuple(x.shape))
     ops = [r for r in records if r[0] == "call_function"]
@@ -253,7 +253,7 @@ def _chain_runner(n: int, x: torch.Tensor, mesh: Any, spec: str):
     runner = StageRunner(records, value_specs, input_specs, io, mesh)
     y = torch.full_like(x, 0.25)
     if mesh.size() > 1:
-        from torch.distributed.tensor import distribute_tensor  # noqa: PLC0415
+        from torch.distributed.tensor import distribute_tensor
 
         placements = runner.value_specs["x"]
         x, y = (distribute_tensor(t, mesh, placements) for t in (x, y))
@@ -279,7 +279,7 @@ def _op_overhead(device: torch.device, repeats: int, window_s: float = 0.0) -> d
     the longer chain of ``OP_CHAIN_LENGTHS``), so time slices lost to other processes count
     as they do in a step; else the slope between the two chains, median of ``repeats``
     (a chain of a few milliseconds often runs within one time slice, hiding shared cores)."""
-    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415
+    from torch.distributed.device_mesh import DeviceMesh
 
     world = dist.get_world_size()
     x = torch.ones(4 * world, 4, device=device)
@@ -394,7 +394,7 @@ def _link_times(state: dict[str, Any], groups: list[list[int]], plan: _Plan,
 
 def _measure(state: dict[str, Any], plan: _Plan) -> dict[str, Any]:
     """Everything one worker measures (runs on every rank at once via ``WorkerGroup.call_all``)."""
-    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415
+    from torch.distributed.device_mesh import DeviceMesh
 
     device = state["device"]
     result: dict[str, Any] = {"matmul_flops_per_s": _matmul_flops(device, plan.matmul_sizes, plan.repeats)}
@@ -550,7 +550,7 @@ def profile_cluster(cluster: Cluster, *, sizes_bytes: Sequence[int] = DEFAULT_SI
                  matmul_sizes=tuple(matmul_sizes) if matmul_sizes else None, busy_window_s=float(busy_window_s))
     if group is not None:
         return _profile_on(group, cluster, plan, timeout_s)
-    from runtime.group import WorkerGroup  # noqa: PLC0415 (ray: only when a group must be started)
+    from runtime.group import WorkerGroup  # ray: only when a group must be started
 
     with WorkerGroup.start(cluster) as own:
         return _profile_on(own, cluster, plan, timeout_s)

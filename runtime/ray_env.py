@@ -70,7 +70,7 @@ def ensure_ray(cluster: Cluster, *, address: str | None = None, log_to_driver: b
     starter stops it). Raises ``ClusterSpecError`` naming the numbers when the
     Ray cluster is too small, after stopping a Ray it started itself.
     """
-    import ray  # noqa: PLC0415 (heavy; only the runtime needs it)
+    import ray  # heavy; only the runtime needs it
 
     started = False
     if not ray.is_initialized():
@@ -92,7 +92,7 @@ def ensure_ray(cluster: Cluster, *, address: str | None = None, log_to_driver: b
 
 def stop_ray() -> None:
     """``ray.shutdown()``; the auth variables set by ``ensure_ray`` stay for the next start."""
-    import ray  # noqa: PLC0415
+    import ray
 
     ray.shutdown()
 
@@ -103,7 +103,7 @@ def local_ray_cpus(cluster: Cluster) -> int:
 
 
 def _start_local_ray(cluster: Cluster, log_to_driver: bool) -> None:
-    import ray  # noqa: PLC0415
+    import ray
 
     if _configure_token_auth(os.environ):
         _refresh_ray_auth_config()
@@ -134,14 +134,14 @@ def _refresh_ray_auth_config() -> None:
     with "RAY_AUTH_MODE is currently 'disabled'"); Ray's own ``_enable_token_auth``
     refreshes them the same way: config first, then the token cache.
     """
-    from ray._raylet import AuthenticationTokenLoader, Config  # noqa: PLC0415 (private, Ray 2.60)
+    from ray._raylet import AuthenticationTokenLoader, Config  # private, Ray 2.60
 
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
 
 
 def alive_nodes() -> list[Mapping[str, Any]]:
-    import ray  # noqa: PLC0415
+    import ray
 
     return [n for n in ray.nodes() if n.get("Alive")]
 

@@ -276,7 +276,7 @@ def declared_imports(doc: str) -> set[str] | None:
     found = re.search(r"^Imports:(.*?)(?:\n\s*\n|\Z)", doc, flags=re.S | re.M)
     if found is None:
         return None
-    return set(re.findall(r"[A-Za-z_][\w.]*", found.group(1).split(". ")[0]))
+    return {n.rstrip(".") for n in re.findall(r"[A-Za-z_][\w.]*", found.group(1).split(". ")[0])}
 
 
 @pytest.mark.parametrize("package", PROJECT)

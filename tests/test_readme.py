@@ -54,7 +54,7 @@ def test_readme_python_samples_run():
     assert blocks, "the README has python samples"
     namespace: dict = {"__name__": "readme"}
     for code in blocks:
-        exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the README's own samples
+        exec(compile(code, "README.md", "exec"), namespace)  # the README's own samples
     import torch
 
     assert torch.isfinite(namespace["loss"]) and namespace["loss"].dim() == 0
