@@ -65,11 +65,11 @@ from stage_dp.planner import check_plan
 from . import calibration, viz
 from . import tune as tuner
 from .batch import BatchLayout, check_indices, index_rules
-from .capture import capture, check_precision
+from .capture import capture, check_precision, optimizers_of
 from .deploy import deploy_plan
 from .initial_state import checkpoint_source, give_storage, model_sources
 from .live import PARTS, LiveState
-from .optim import FunctionalOptimizer
+from .optim import OptimizerSet
 from .plan_cache import PlanCache, cached_plan
 from .resilience import ResilientStep, check_reliability_options
 
@@ -82,7 +82,7 @@ _PLANNED = ("graph", "plan", "plan_source", "tuning", "_layout", "_index_rules",
 
 def _first_microbatch(layout: BatchLayout, batch: Any, num_microbatches: int) -> Any:
     """``batch`` as the graph takes it, each tensor with the batch dimension cut to its first
-    ``1 / num_microbatches`` (``alpa_torch.batch.split_flags``: the rest go whole)."""
+    ``1 / num_microbatches`` (``alpa_torch.core.microbatches.split_flags``: the rest go whole)."""
     leaves = pytree.tree_leaves(layout.graph_batch(batch))
     index = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     tensors = [leaves[i] for i in index]
@@ -144,7 +144,7 @@ class ParallelStep(ResilientStep):
         """What each leaf of the batch is to the graph (``alpa_torch.batch``), from the capture."""
         self._index_rules: dict = {}
         """Batch input -> the index ranges the operators reading it accept (checked every call)."""
-        self._trains: tuple[weakref.ref, weakref.ref] | None = None
+        self._trains: tuple[weakref.ref, tuple[weakref.ref, ...]] | None = None
         """The model and optimizer objects of the first call: the only ones this step trains."""
         self._closed = False
         """``shutdown()`` was called: the live state is gone."""
@@ -164,7 +164,8 @@ class ParallelStep(ResilientStep):
         """'search', 'cache' or 'forced': where ``self.plan`` came from."""
         self.group = None
         self.engine = None
-        self._functional: FunctionalOptimizer | None = None
+        self._functional: OptimizerSet | None = None
+        """The user's optimizer(s), as the captured step runs them (``alpa_torch.optim``)."""
         self._step = 0
         self._pending: tuple | None = None  # (path, manifest) of a load() before the first call
         self._recomputed: dict[str, str] = {}
@@ -180,13 +181,15 @@ class ParallelStep(ResilientStep):
                 self._start(model, optimizer, batch)
             else:
                 self._check_same_objects(model, optimizer)
-                change = self._user_changes() or self._layout.change(batch) or self._functional.constants_changed()
+                change = (self._user_changes() or self._layout.change(batch)
+                          or self._functional.constants_changed(self._step))
                 if change:
                     self._recapture(model, optimizer, batch, change)
             leaves = self._batch_leaves(batch)
             loss = self._run_step(leaves, model, optimizer, batch)
         self._live.after_step()
-        optimizer._opt_called = True  # as optimizer.step() leaves it: LR schedulers check it
+        for opt in optimizers_of(optimizer):
+            opt._opt_called = True  # as optimizer.step() leaves it: LR schedulers check it
         if not math.isfinite(loss):
             warnings.warn(
                 f"step {self._step}: the loss is {loss}; check the learning rate and the data of this step "
@@ -224,14 +227,16 @@ class ParallelStep(ResilientStep):
         one to an operator that wants a Python number), as constants of the capture instead."""
         layout = BatchLayout.of(batch)
         try:
-            graph = capture(self.train_step, model, optimizer, layout.graph_batch(batch), precision=self.precision)
+            graph = capture(self.train_step, model, optimizer, layout.graph_batch(batch), precision=self.precision,
+                            optimizers=self._functional, device_type=self.cluster.device_type)
         except CaptureError as exc:
             if not layout.scalars_as_data:
                 raise
             log.info("the step does not take the batch's floats as tensors (%s); capturing them as constants: a "
                      "change of one captures the step again", str(exc).splitlines()[0])
             layout = BatchLayout.of(batch, scalars_as_data=False)
-            graph = capture(self.train_step, model, optimizer, batch, precision=self.precision)
+            graph = capture(self.train_step, model, optimizer, batch, precision=self.precision,
+                            optimizers=self._functional, device_type=self.cluster.device_type)
         self._layout = layout
         self._index_rules = index_rules(graph.gm, {s.name: s.node for s in graph.inputs if s.kind == "batch"})
         return graph
@@ -244,13 +249,12 @@ class ParallelStep(ResilientStep):
         return plan
 
     def _start(self, model, optimizer, batch) -> None:
-        self._trains = (weakref.ref(model), weakref.ref(optimizer))
+        self._trains = (weakref.ref(model), tuple(weakref.ref(o) for o in optimizers_of(optimizer)))
         self._seed = torch.initial_seed()
         t0 = time.perf_counter()
-        self.make_plan(model, optimizer, batch)
-        self._functional = FunctionalOptimizer(optimizer, {id(p): n for n, p in model.named_parameters()},
-                                               device_step=self.precision == "fp16")
+        self._functional = self._optimizer_set(model, optimizer)
         self._step = self._functional.step_count()
+        self.make_plan(model, optimizer, batch)
         self.run_graph = self._runtime_graph(model, optimizer, batch)
         self._batch_leaves(batch)  # shapes and index ranges: wrong data fails here, before any worker starts
         if self._pending is not None:
@@ -266,7 +270,7 @@ class ParallelStep(ResilientStep):
         if self.checkpoint_dir is not None:
             self._warn_overwrite()
             self.save(self.checkpoint_dir)  # the state a restart before the first periodic save returns to
-        self._live = LiveState(model, (optimizer,), fetch=self._fetch, tensors=self._object_tensors,
+        self._live = LiveState(model, optimizers_of(optimizer), fetch=self._fetch, tensors=self._object_tensors,
                                size_bytes=self._part_bytes, limit_bytes=self._limit_bytes)
 
     def _launch(self, sources: list, reserve_timeout_s: float | None = None) -> None:
@@ -290,7 +294,7 @@ class ParallelStep(ResilientStep):
                                  self.plan_cache, self.progress)  # the cluster the plan was priced on
         if len(cands) == 1:
             return
-        scalars = self._functional.host_scalars(self._step + 1)
+        scalars = self._functional.host_scalars()
         leaves = self._batch_leaves(batch)
 
         def observe(plan: ParallelPlan) -> list[dict]:  # one more step, recorded
@@ -338,7 +342,8 @@ class ParallelStep(ResilientStep):
                 ": a tensor shared by every sample whose first dimension equals the batch size is cut too")
         try:
             graph = capture(self.train_step, model, optimizer, _first_microbatch(self._layout, batch, b),
-                            precision=self.precision)
+                            precision=self.precision, optimizers=self._functional,
+                            device_type=self.cluster.device_type)
         except CaptureError as exc:
             raise BatchSplitError(
                 f"the plan runs {b} microbatches, and capturing the step on one of them (each batch entry with the "
@@ -405,8 +410,7 @@ class ParallelStep(ResilientStep):
         log.warning("%s: capturing and planning the step again (the trained state carries over)", change)
         kept = {k: getattr(self, k) for k in _PLANNED}
         try:
-            self._functional = FunctionalOptimizer(optimizer, {id(p): n for n, p in model.named_parameters()},
-                                                   device_step=self.precision == "fp16")
+            self._functional = self._optimizer_set(model, optimizer)
             self.make_plan(model, optimizer, batch)
             self.run_graph = self._runtime_graph(model, optimizer, batch)
             self._batch_leaves(batch)
@@ -429,8 +433,6 @@ class ParallelStep(ResilientStep):
         """Send the tensors the user changed in the model or optimizer since the last step to the
         workers; a change that needs the step captured again, in words (``alpa_torch.live``)."""
         changes = self._live.changes()
-        if not self._live.stale["optimizer"] and not self._functional.device_step:
-            self._step = self._functional.step_count()  # load_state_dict may have set it back
         if changes.recapture is None:
             self._send(changes.values)
         return changes.recapture
@@ -477,7 +479,7 @@ class ParallelStep(ResilientStep):
         if part == "model":
             self._write_model(self._trains[0](), full)
         else:
-            self._write_optimizer(self._functional.optimizer, full)
+            self._write_optimizer(full)
 
     def _write_model(self, model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
@@ -485,10 +487,13 @@ class ParallelStep(ResilientStep):
                 if name in full:  # else a buffer the step never reads (HF's original_inv_freq):
                     t.copy_(full[name])  # no stage holds it, and the step left it as it was
 
-    def _write_optimizer(self, optimizer: torch.optim.Optimizer, full: dict[str, torch.Tensor]) -> None:
-        self._functional.optimizer = optimizer
-        step = int(full["amp.step"]) if self._functional.device_step else self._step  # skips not counted
-        self._functional.write_back(full, step, trained=set(self.graph.grad_of))
+    def _write_optimizer(self, full: dict[str, torch.Tensor]) -> None:
+        self._functional.write_back(full, trained=set(self.graph.grad_of))
+
+    def _optimizer_set(self, model, optimizer) -> OptimizerSet:
+        """The user's optimizer(s) as the step runs them (``steps_taken``: what the workers have done)."""
+        return OptimizerSet(optimizers_of(optimizer), {id(p): n for n, p in model.named_parameters()},
+                            device_step=self.precision == "fp16", steps_taken=self._step)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -498,8 +503,12 @@ class ParallelStep(ResilientStep):
                 "step.sync(model, optimizer) or step.save(dir) before shutdown()")
 
     def _check_same_objects(self, model, optimizer) -> None:
-        model_ref, optimizer_ref = self._trains
-        for what, obj, ref in (("model", model, model_ref), ("optimizer", optimizer, optimizer_ref)):
+        model_ref, optimizer_refs = self._trains
+        opts = optimizers_of(optimizer)
+        pairs = [("model", model, model_ref)] + [("optimizer", o, r) for o, r in zip(opts, optimizer_refs)]
+        if len(opts) != len(optimizer_refs):
+            pairs.append(("optimizer", optimizer, lambda: None))
+        for what, obj, ref in pairs:
             if obj is not ref():
                 raise StepUsageError(
                     f"this parallel step trains the {what} of its first call (its live state is on the workers) "
@@ -576,10 +585,12 @@ class ParallelStep(ResilientStep):
         optimizer then holds)."""
         with self._own_use():
             sd = self.state_dict()
-            give_storage(model, optimizer or self._functional.optimizer, self._functional)  # a meta-device model
+            give_storage(model, optimizers_of(optimizer) if optimizer is not None else self._functional.optimizers,
+                         self._functional)  # a meta-device model
             self._write_model(model, sd["model"])
             if optimizer is not None:
-                self._write_optimizer(optimizer, sd["optimizer"])
+                self._functional.write_back(sd["optimizer"], trained=set(self.graph.grad_of),
+                                            into=optimizers_of(optimizer))
         if self._live is not None and model is self._live.model:
             for part in PARTS if optimizer is not None else ("model",):
                 self._live.fetched(part)
@@ -634,10 +645,12 @@ def _step_arguments(name: str, args: tuple, kwargs: dict) -> tuple[Any, Any, Any
             f"argument(s){' and ' + ', '.join(kwargs) if kwargs else ''} ({exc}). Fix: put every input of the step "
             "in one batch: step(model, optimizer, (x, y)) or a dict, and read it inside train_step") from None
     model, optimizer = bound.arguments["model"], bound.arguments["optimizer"]
-    if not isinstance(model, torch.nn.Module) or not isinstance(optimizer, torch.optim.Optimizer):
+    opts = optimizers_of(optimizer)
+    if not isinstance(model, torch.nn.Module) or not opts or not all(isinstance(o, torch.optim.Optimizer)
+                                                                       for o in opts):
         raise TypeError(f"the parallel step {name} takes (model, optimizer, batch): got a {type(model).__name__} "
-                        f"and a {type(optimizer).__name__} where a torch.nn.Module and a torch.optim.Optimizer "
-                        "belong")
+                        f"and a {type(optimizer).__name__} where a torch.nn.Module and a torch.optim.Optimizer (or a "
+                        "tuple or list of them) belong")
     return model, optimizer, bound.arguments["batch"]
 
 

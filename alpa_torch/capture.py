@@ -121,19 +121,31 @@ class _Amp:
         self.found_inf = fopt.LossScaler.found_inf(grads)
 
 
-class _StepOptimizer:
-    """What ``train_step`` receives as its optimizer during capture."""
+class _Results:
+    """What the optimizers' steps computed while tracing: new parameters and state, by name."""
 
-    def __init__(self, functional: fopt.FunctionalOptimizer, leaves, states, scalars, amp: _Amp | None = None,
-                 carried: _CarriedGrads | None = None):
-        self._functional = functional
+    def __init__(self):
+        self.params: dict[str, torch.Tensor] = {}
+        self.states: dict[str, dict[str, torch.Tensor]] = {}
+        self.stepped = False
+
+
+class _StepOptimizer:
+    """What ``train_step`` receives as its optimizer (one per optimizer) during capture: ``step()``
+    traces the user's optimizer ``k`` itself (``optim.OptimizerSet.update``) on the graph's inputs."""
+
+    def __init__(self, functional: fopt.OptimizerSet, k: int, leaves, inputs, states, scalars, results: _Results,
+                 amp: _Amp | None = None, carried: _CarriedGrads | None = None):
+        self._functional, self._k = functional, k
         self._amp = amp
         self._carried = carried
         self._leaves = leaves
+        """Name -> traced leaf (its ``.grad`` set by backward) of every parameter this optimizer updates."""
+        self._inputs = inputs
+        """Name -> the graph input of each of those parameters (the optimizer updates these)."""
         self._states = states
         self._scalars = scalars
-        self.new_params: dict[str, torch.Tensor] | None = None
-        self.new_states: dict[str, dict] = {}
+        self._results = results
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for leaf in self._leaves.values():
@@ -149,36 +161,20 @@ class _StepOptimizer:
             self._step(amp if amp is not None and amp.scaling else None)
 
     def _step(self, amp: _Amp | None) -> None:
-        f = self._functional
-        self.new_params = {}
-        found_inf = None
+        grads = {n: leaf.grad for n, leaf in self._leaves.items()}
+        olds = {n: {k: v.detach() for k, v in self._states[n].items()} for n in grads}  # before the update writes
+        params, states = self._functional.update(self._k, self._inputs, grads, self._states, self._scalars)
         if amp is not None:  # fp16: skip the update in the graph when a gradient overflowed
             found_inf = amp.found_inf if amp.found_inf is not None else torch.tensor(False)
-            step = amp.state["amp.step"] + 1
-        group_scalars: dict[int, dict] = {}
-        for name in f.names:
-            leaf = self._leaves[name]
-            if leaf.grad is None:  # torch.optim skips parameters without a gradient
-                self.new_states[name] = self._states[name]
-                continue
-            gi = f.group_of[name]
-            if gi not in group_scalars:
-                scalars = {k.split(".", 1)[1]: v for k, v in self._scalars.items() if k.startswith(f"g{gi}.")}
-                if f.device_step:
-                    scalars = fopt.device_scalars(f.groups[gi], scalars["lr"], step)
-                group_scalars[gi] = scalars
-            old = self._states[name]
-            p, s = fopt.update(f.groups[gi], leaf.detach(), leaf.grad, old, group_scalars[gi])
-            if found_inf is not None:
-                p = torch.where(found_inf, leaf.detach(), p)
-                s = {k: torch.where(found_inf, old[k], v) for k, v in s.items()}
-            self.new_params[name] = p
-            self.new_states[name] = s
-        if amp is not None:
+            params = {n: torch.where(found_inf, self._leaves[n].detach(), p) for n, p in params.items()}
+            states = {n: {k: torch.where(found_inf, olds[n][k], v) for k, v in s.items()} for n, s in states.items()}
             amp.new_state = fopt.LossScaler.update(amp.state, found_inf)
+        self._results.params.update(params)
+        self._results.states.update(states)
+        self._results.stepped = True
 
     def __getattr__(self, item):  # param_groups, state, defaults...: the user's optimizer
-        return getattr(self._functional.optimizer, item)
+        return getattr(self._functional.optimizers[self._k], item)
 
 
 class _CarriedGrads:
@@ -266,7 +262,7 @@ def _marking_backward(leaves: dict[str, torch.Tensor], order: list[str], amp: _A
         torch.Tensor.backward = original
 
 
-def _collect_inputs(model, functional, batch_leaves, step) -> Inputs:
+def _collect_inputs(model, functional, batch_leaves) -> Inputs:
     ins = Inputs()
     for name, p in model.named_parameters():
         ins.add("param", name, p.detach())
@@ -277,9 +273,9 @@ def _collect_inputs(model, functional, batch_leaves, step) -> Inputs:
         for key, value in functional.initial_state(name, params[name]).items():
             ins.add("opt_state", f"{name}.{key}", value)
     if functional.device_step:  # fp16 loss scaling: the LossScaler's state, after the optimizer's
-        for key, value in fopt.LossScaler.initial_state(step - 1).items():
+        for key, value in fopt.LossScaler.initial_state().items():
             ins.add("opt_state", key, value)
-    for key, value in functional.host_scalars(step).items():
+    for key, value in functional.host_scalars().items():
         ins.add("host_scalar", key, torch.tensor(value, dtype=torch.float64))
     for i, leaf in enumerate(batch_leaves):
         if isinstance(leaf, torch.Tensor):
@@ -287,9 +283,10 @@ def _collect_inputs(model, functional, batch_leaves, step) -> Inputs:
     return ins
 
 
-def _make_step_fn(train_step, model, functional, ins: Inputs, batch_leaves, batch_spec, precision="fp32",
-                  device_type="cpu"):
-    """The pure function of flat inputs that pass 1 traces."""
+def _make_step_fn(train_step, model, functional, ins: Inputs, batch_leaves, batch_spec, optimizer_arg,
+                  precision="fp32", device_type="cpu"):
+    """The pure function of flat inputs that pass 1 traces. ``optimizer_arg``: what the user passes
+    as the optimizer (one, or a tuple or list of them), so the step receives the same shape."""
     names = [n for k, n in ins.specs]
     param_names = [n for k, n in ins.specs if k == "param"]
     buffer_names = [n for k, n in ins.specs if k == "buffer"]
@@ -310,23 +307,30 @@ def _make_step_fn(train_step, model, functional, ins: Inputs, batch_leaves, batc
             amp = _Amp(precision, device_type, scaler)
         optimized = {n: leaves[n] for n in functional.names}
         carried = _CarriedGrads(optimized)
-        shim = _StepOptimizer(functional, optimized, states, scalars, amp, carried)
+        results = _Results()
+        shims = []
+        for k in range(len(functional.optimizers)):
+            mine = [n for n in functional.names if functional.owner[n][0] == k]
+            shims.append(_StepOptimizer(functional, k, {n: optimized[n] for n in mine}, {n: by_name[n] for n in mine},
+                                        states, scalars, results, amp, carried))
+        shim = type(optimizer_arg)(shims) if isinstance(optimizer_arg, (tuple, list)) else shims[0]
         with _reparametrize_module(model, {**leaves, **buffers}, tie_weights=True):
             with _marking_backward(optimized, functional.names, amp, carried):
                 with amp.autocast() if amp is not None else contextlib.nullcontext():
                     loss = train_step(model, shim, batch)
             new_buffers = [b for _, b in model.named_buffers()]
         _check_loss(loss)
-        if shim.new_params is None:
+        if not results.stepped:
             raise CaptureError(
                 "train_step never called optimizer.step() on the optimizer it was given; "
                 "call optimizer.step() after loss.backward() (use the `optimizer` argument, not a global)"
             )
-        if not shim.new_params and functional.names:
+        if not results.params and functional.names:
             raise CaptureError("no parameter received a gradient: call loss.backward() before optimizer.step()")
         carried.check(optimized)
-        new_params = [shim.new_params.get(n, leaves[n].detach()) for n in param_names]
-        new_states = [shim.new_states[p][k] for p in functional.names for k in functional.state_names(p)]
+        new_params = [results.params.get(n, leaves[n].detach()) for n in param_names]
+        new_states = [results.states[p][k] if p in results.states else states[p][k]
+                      for p in functional.names for k in functional.state_names(p)]
         if functional.device_step:
             new_states += [amp.new_state[n] for n in fopt.LossScaler.STATE]
         return [loss.detach()] + new_params + new_buffers + new_states
@@ -346,33 +350,43 @@ def _check_loss(loss: Any) -> None:
         )
 
 
+def optimizers_of(optimizer) -> tuple:
+    """The optimizers a step is given: one, or a tuple or list of several."""
+    return tuple(optimizer) if isinstance(optimizer, (tuple, list)) else (optimizer,)
+
+
 def capture(
-    train_step: Callable, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
-    precision: str = "fp32",
+    train_step: Callable, model: torch.nn.Module, optimizer, batch: Any, precision: str = "fp32",
+    optimizers: fopt.OptimizerSet | None = None, device_type: str | None = None,
 ) -> OpGraph:
     """Trace ``train_step(model, optimizer, batch)`` into an ``OpGraph``.
 
-    Nothing is executed for real: the model, optimizer and batch are only read.
+    Nothing is executed for real: the model, optimizer(s) and batch are only read.
     ``precision``: 'fp32', 'bf16' or 'fp16' (module docstring), kept in ``graph.meta``.
+    ``optimizers``: the ``OptimizerSet`` of ``optimizer`` to trace with (it keeps the guards the
+    trace takes; default: a new one). ``device_type``: what the graph will run on ('cpu', 'cuda';
+    ``Cluster.device_type``), which decides where attention stays fused (``tracing.FusedAttention``);
+    default: the device of the model's tensors.
     """
     t0 = time.perf_counter()
     check_precision(precision)
     param_ids = {id(p): n for n, p in model.named_parameters()}
-    functional = fopt.FunctionalOptimizer(optimizer, param_ids, device_step=precision == "fp16")
-    step = functional.step_count() + 1
+    functional = optimizers or fopt.OptimizerSet(optimizers_of(optimizer), param_ids, device_step=precision == "fp16")
+    functional.guards = []
     batch_leaves, batch_spec = pytree.tree_flatten(batch)
-    ins = _collect_inputs(model, functional, batch_leaves, step)
+    ins = _collect_inputs(model, functional, batch_leaves)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    device_type = next((v.device.type for v in ins.values if v.device.type != "meta"), "cpu")
-    step_fn = _make_step_fn(train_step, model, functional, ins, batch_leaves, batch_spec, precision, device_type)
-    gm = traced(step_fn, ins.values, mode, "train_step")
+    device_type_of = next((v.device.type for v in ins.values if v.device.type != "meta"), "cpu")
+    step_fn = _make_step_fn(train_step, model, functional, ins, batch_leaves, batch_spec, optimizer, precision,
+                            device_type_of)
+    gm = traced(step_fn, ins.values, mode, "train_step", device_type or device_type_of)
     with _use_lazy_graph_module(True):
         norms = _exact_masked_means(gm, ins, mode)
     graph = _assemble(gm, ins, functional, model)
     graph.meta["loss_norms"] = norms
     graph.meta.update(
         capture_s=time.perf_counter() - t0, model=type(model).__name__,
-        optimizer=type(optimizer).__name__, step=step, precision=precision,
+        optimizer="+".join(type(o).__name__ for o in functional.optimizers), precision=precision,
         batch_shapes=[tuple(v.shape) for (k, name), v in zip(ins.specs, ins.values)
                       if k == "batch" and not name.startswith(masked_mean.NORM_PREFIX)],
     )
@@ -426,5 +440,5 @@ def _assemble(gm: fx.GraphModule, ins: Inputs, functional, model) -> OpGraph:
     nodes, grad_of = build_nodes(gm, phase_inputs, outputs, functional.names, GRAD_MARKER)
     return OpGraph(
         gm=gm, inputs=inputs, outputs=outputs, nodes=nodes, grad_of=grad_of,
-        param_groups=dict(functional.group_of),
+        param_groups={n: gi for n, (_, gi) in functional.owner.items()},
     )

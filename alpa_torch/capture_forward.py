@@ -35,8 +35,10 @@ from .capture import PRECISIONS, check_precision
 from .tracing import Inputs, traced
 
 
-def capture_forward(fn: Callable, model: torch.nn.Module, batch: Any, precision: str = "fp32") -> OpGraph:
-    """Trace ``fn(model, batch)`` (forward only, module docstring) into an ``OpGraph``."""
+def capture_forward(fn: Callable, model: torch.nn.Module, batch: Any, precision: str = "fp32",
+                    device_type: str | None = None) -> OpGraph:
+    """Trace ``fn(model, batch)`` (forward only, module docstring) into an ``OpGraph`` (``device_type``:
+    as ``capture``'s)."""
     t0 = time.perf_counter()
     check_precision(precision)
     ins = Inputs()
@@ -51,7 +53,7 @@ def capture_forward(fn: Callable, model: torch.nn.Module, batch: Any, precision:
     names = [n for _, n in ins.specs]
     buffer_names = [n for k, n in ins.specs if k == "buffer"]
     result: dict[str, Any] = {}
-    device_type = next((v.device.type for v in ins.values if v.device.type != "meta"), "cpu")
+    device = next((v.device.type for v in ins.values if v.device.type != "meta"), "cpu")
     dtype = PRECISIONS[precision]
 
     def forward(*flat):
@@ -59,7 +61,7 @@ def capture_forward(fn: Callable, model: torch.nn.Module, batch: Any, precision:
         state = {n: by_name[n] for k, n in ins.specs if k in ("param", "buffer")}
         args = pytree.tree_unflatten([by_name[f"batch.{i}"] if isinstance(v, torch.Tensor) else v
                                       for i, v in enumerate(leaves)], spec)
-        autocast = torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+        autocast = torch.autocast(device, dtype=dtype) if dtype is not None else contextlib.nullcontext()
         with torch.no_grad(), _reparametrize_module(model, state, tie_weights=True), autocast:
             out = fn(model, args)
             new_buffers = [b for _, b in model.named_buffers()]
@@ -69,7 +71,7 @@ def capture_forward(fn: Callable, model: torch.nn.Module, batch: Any, precision:
         return [v for v in out_leaves if isinstance(v, torch.Tensor)] + new_buffers
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    gm = traced(forward, ins.values, mode, "the forward function")
+    gm = traced(forward, ins.values, mode, "the forward function", device_type or device)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     output = next(n for n in gm.graph.nodes if n.op == "output")
     returned = list(output.args[0])

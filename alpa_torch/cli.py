@@ -127,7 +127,8 @@ def _model_options(p: argparse.ArgumentParser, *, required: bool, default: str |
     g.add_argument("--batch", type=_positive, metavar="N", help="batch size (default 8; 1024 for gpt-*)")
     g.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
                    help="model dtype (default float32; float16 for gpt-*, as Alpa's benchmark)")
-    g.add_argument("--optimizer", default="adamw", choices=("sgd", "adam", "adamw"), help="zoo optimizer")
+    g.add_argument("--optimizer", default="adamw",
+                   help="a zoo optimizer kind (alpa_torch.zoo.OPTIMIZERS; 'muon' pairs Muon with AdamW)")
     g.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
                    help="mixed precision: bf16 / fp16 (loss scaling) compute, fp32 master weights (default fp32)")
     g.add_argument("--model-arg", action="append", metavar="KEY=VALUE",
@@ -298,7 +299,8 @@ timeline as a Chrome/Perfetto trace (open it in ui.perfetto.dev)."""
     work = _workload(args)
     with PlanProgress(enabled=False if args.quiet else None) as bar:
         bar.phase(f"capturing the step of {work.name}")
-        graph = capture(work.train_step, work.model, work.optimizer, work.batch, precision=args.precision)
+        graph = capture(work.train_step, work.model, work.optimizer, work.batch, precision=args.precision,
+                        device_type=cluster.device_type)
         bar.phase(f"clustering {len(graph.nodes)} operators into layers")
         plan, model = make_plan_with_model(graph, cluster, plan_options(args), progress=bar)
         if not args.no_alternatives:
@@ -364,7 +366,8 @@ def _replan_alternatives(args, plan):
     from .progress import PlanProgress
 
     work = _workload(args)
-    graph = capture(work.train_step, work.model, work.optimizer, work.batch)
+    graph = capture(work.train_step, work.model, work.optimizer, work.batch,
+                    device_type=Cluster.from_dict(plan.cluster).device_type)
     if graph_fingerprint(graph) != plan.graph_fingerprint:
         raise UsageError(f"{args.model} (with these --batch/--dtype/--optimizer/--model-arg) is not the graph "
                          f"{args.plan_file} was made for (fingerprint {plan.graph_fingerprint})")

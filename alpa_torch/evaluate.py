@@ -90,7 +90,7 @@ class ParallelEval:
     def _plan_bound(self, model, batch, step) -> None:
         from runtime.evaluation import EvalEngine
 
-        graph = capture_forward(self.fn, model, batch, precision=self.precision)
+        graph = capture_forward(self.fn, model, batch, precision=self.precision, device_type=self.cluster.device_type)
         train, names = step.plan, {s.name: s.node for s in step.graph.inputs}
         device_bytes = self.cluster.device.memory_bytes
         budget = device_bytes - max(s.persistent_bytes for s in train.stages)
@@ -133,7 +133,8 @@ class ParallelEval:
                     self._live.sent(changes.values)
             key = self._key(model, batch, None)
             if key != self._captured:
-                self.graph = capture_forward(self.fn, model, batch, precision=self.precision)
+                self.graph = capture_forward(self.fn, model, batch, precision=self.precision,
+                                             device_type=self.cluster.device_type)
                 self.sharding = plan_forward(self.graph, self.cluster,
                                              memory_budget_bytes=self.cluster.device.memory_bytes)
                 if self._group is None:

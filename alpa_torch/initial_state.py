@@ -9,8 +9,9 @@ buffer and optimizer state of the step (``OpGraph.inputs``) it picks one source
   Hugging Face's layout) when it is there, else initialised on the workers, module by
   module, with ``init_fn(module)`` or the module's ``reset_parameters()``, seeded so
   that the values equal ``alpa_torch.init_weights(model, init_fn)`` on one device;
-- optimizer state: the user's optimizer's if it has some, else zeros (a fresh
-  ``torch.optim`` optimizer) made on the workers, for any model;
+- optimizer state: the user's optimizer's if it has some, else what a fresh ``torch.optim``
+  optimizer starts with (zeros, ``lr``, a step count of 0: ``optim.StateEntry.fill``) made on
+  the workers, for any model;
 - a checkpoint (``ParallelStep.load``): its tiles, read by the workers (the driver
   reads the manifest only).
 """
@@ -30,17 +31,17 @@ from alpa_torch.core.graph import OpGraph
 from runtime import state_sources
 from runtime.state_sources import (
     CheckpointTiles,
+    Filled,
     ModuleInit,
     SafetensorsWeights,
     Values,
-    Zeros,
     materialise_module,
     owners,
     uninitialisable,
 )
 from runtime.wire import to_wire_dict
 
-from .optim import FunctionalOptimizer, LossScaler
+from .optim import LossScaler, OptimizerSet
 
 log = logging.getLogger(__name__)
 
@@ -71,23 +72,23 @@ def empty_weights() -> Iterator[None]:
         torch.nn.Module.register_parameter = register
 
 
-def model_sources(graph: OpGraph, model: torch.nn.Module, functional: FunctionalOptimizer | None, *, seed: int,
+def model_sources(graph: OpGraph, model: torch.nn.Module, functional: OptimizerSet | None, *, seed: int,
                   init_fn=None, weights: str | Path | None = None) -> list:
     """The sources of the step's initial state (the first source that has a name gives it):
     ``weights``' files, the values the driver holds, zeros, the initialisation on the workers."""
     tensors = dict(model.named_parameters())
     tensors.update(model.named_buffers())
-    values, zeros = {}, []
+    values, fills = {}, {}
     meta = [n for kind in ("param", "buffer") for n in graph.input_names(kind) if tensors[n].is_meta]
     for n, t in tensors.items():
         if not t.is_meta:
             values[n] = t.detach()
-    for name in functional.names if functional is not None else ():  # initial_state's rule, zeros made on workers
+    for name in functional.names if functional is not None else ():  # initial_state's rule, fills made on workers
         user = functional.user_state(name)
-        for key in functional.state_names(name):
-            value = user.get(key)
+        for entry in functional.layout.get(name, ()):
+            key, value = entry.key, user.get(entry.key)
             if value is None:
-                zeros.append(f"{name}.{key}")
+                fills[f"{name}.{key}"] = entry.fill
             elif value.is_meta:
                 raise PlanError(f"the optimizer's state {key!r} of {name} is on the meta device: it holds no values. "
                                 "Fix: create the optimizer fresh (its state then starts at zero on the workers), or "
@@ -95,15 +96,15 @@ def model_sources(graph: OpGraph, model: torch.nn.Module, functional: Functional
             else:
                 values[f"{name}.{key}"] = value.detach()
     if functional is not None and functional.device_step:  # fp16 loss scaling state
-        values.update(LossScaler.initial_state(functional.step_count()))
+        values.update(LossScaler.initial_state())
     sources: list = []
     if weights is not None:  # first: the files' weights win over the model's own values
         sources.append(weights_source(graph, weights))
         meta = [n for n in meta if n not in sources[0].names]
         values = {k: v for k, v in values.items() if k not in sources[0].names}
     sources.append(Values(to_wire_dict(values)))
-    if zeros:
-        sources.append(Zeros(zeros))
+    if fills:
+        sources.append(Filled(fills))
     if meta:
         missing = uninitialisable(model, meta, init_fn)
         if missing:
@@ -119,15 +120,15 @@ def model_sources(graph: OpGraph, model: torch.nn.Module, functional: Functional
     return sources
 
 
-def give_storage(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                 functional: FunctionalOptimizer) -> None:
+def give_storage(model: torch.nn.Module, optimizers: tuple, functional: OptimizerSet) -> None:
     """Give a model built on the meta device storage before state is copied into it: its meta
-    parameters become new ``Parameter`` objects, which ``optimizer`` and ``functional`` then hold."""
+    parameters become new ``Parameter`` objects, which ``optimizers`` and ``functional`` then hold."""
     replaced = state_sources.give_storage(model)
     if not replaced:
         return
-    for group in optimizer.param_groups if optimizer is not None else ():
-        group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["params"] = [replaced.get(id(p), p) for p in group["params"]]
     functional.param_of = {n: replaced.get(id(p), p) for n, p in functional.param_of.items()}
 
 

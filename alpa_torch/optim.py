@@ -1,241 +1,130 @@
-"""Functional twins of ``torch.optim`` SGD, Adam and AdamW.
+"""The user's ``torch.optim`` optimizer(s), traced into the captured step: eager's own code.
 
-Why: ``torch.optim`` cannot be traced into a graph on CPU (docs/design.md:
-``.item()`` on the step count, ``capturable`` refused for CPU tensors), so the
-captured step replaces ``optimizer.step()`` by these functions. They follow the
-single-tensor code path of torch 2.13 (``torch/optim/sgd.py``,
-``torch/optim/adam.py``) operation by operation; tests check them against
-``torch.optim`` on every zoo model.
+``OptimizerSet`` reads one optimizer (or several: Muon for the matrices, AdamW for the rest)
+and, while ``capture`` traces the step, runs each optimizer's real ``step()`` on the traced
+parameters, gradients and state (``update``). Nothing of the update maths is written here:
+what the graph holds is what ``torch.optim`` computes, for every optimizer, every option
+(``maximize``, ``amsgrad``, ``nesterov``, ``centered``, decoupled weight decay, per-group
+settings) and several optimizers in one step. What tracing cannot give by itself, and how:
 
-Values that change from step to step or that a scheduler may change are not
-baked into the graph: they are *host scalars*, computed here on the driver each
-step from the user's ``param_groups`` and fed to the graph as 0-dim float64
-tensors: ``lr``, Adam's bias corrections, Adam's ``beta1`` and SGD's
-``momentum`` (``OneCycleLR`` and ``CyclicLR`` cycle them) and AdamW's decoupled
-weight decay. The other hyper-parameters of a group (``beta2``, ``eps``,
-Adam's coupled weight decay, SGD's dampening, nesterov's momentum, flags) are
-baked in; ``FunctionalOptimizer.constants_changed`` tells the caller when one
-of those moved, and the caller captures the step again.
+- **The numbers a step computes in Python** (bias corrections from ``step_t.item()``, the
+  group's ``lr``, betas, weight decay): every float hyper-parameter of every group is a graph
+  input (a host scalar read from ``param_groups`` on every call, so schedulers and hand-set
+  learning rates work), and the optimizer computes with ``LazyScalar``s that stay graph
+  values (``lazy_scalars.py``). A Python decision on a hyper-parameter (``if weight_decay !=
+  0``) is a guard: when it would go the other way, ``constants_changed`` says so and the step
+  is captured again; so does a change of any other setting (a flag, an int).
+- **A decision on a value only the devices know** (RAdam's ``rho_t > 5`` on the step count,
+  ASGD's ``mu != 1``): the optimizer's own ``capturable`` form makes it with ``torch.where``;
+  the trace retries with it (its arithmetic is ``torch.optim``'s too, in another order:
+  equal to eager within float32 rounding). An optimizer without that form raises by name.
+- **The state a fresh optimizer creates in its first step.** ``torch.optim`` fills it lazily
+  (zeros, ``lr``, ones, a step count of 0) inside ``step()``. The graph takes the state as
+  input, so it is created before: each optimizer's first step is run on small stand-in
+  tensors (``_Layout``) to learn each state tensor's shape, dtype and the value every element
+  starts at; a second run from those values must end bit for bit where the first ended (SGD's
+  momentum buffer, a copy of the first gradient, passes from zeros with ``dampening=0``). A
+  state that fails it is created by the graph of the first step (``first_step``), and the
+  step is captured again after it, with the state as input.
+- ``foreach`` and ``fused`` select kernels, not maths: the trace runs the single-tensor code.
+- **Refused by name** (``REFUSED``): ``LBFGS`` (its closure re-runs the forward several times
+  per step) and ``SparseAdam`` (sparse gradients).
 
-Mixed precision with fp16 (``precision="fp16"``) adds dynamic loss scaling
-(``LossScaler``, the maths of ``torch.amp.GradScaler``) as graph state, and a
-step that overflows is skipped inside the graph. Whether a step is skipped is
-then known only on the devices, so in that mode the optimizer's step count is
-device state too (``amp.step``) and the host sends only ``lr`` per group; the
-bias corrections and SGD's ``first_step`` are computed in the graph from the
-device count (``device_scalars``, float64 like the host's Python floats), as
-``torch.optim`` does when ``GradScaler.step`` skips ``optimizer.step()``.
+Mixed precision with fp16 adds dynamic loss scaling (``LossScaler``, the maths of
+``torch.amp.GradScaler``) as graph state; a step that overflows keeps every parameter and
+state tensor (``torch.optim``'s step count included) as it was.
 
-This module owns the maths only; ``capture`` decides where it is called.
+This module owns reading the optimizers and tracing their update; ``capture`` decides where.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
+import contextlib
+import copy
+import inspect
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from alpa_torch.core.errors import CaptureError
 
-_SUPPORTED = ("SGD", "Adam", "AdamW")
+from . import lazy_scalars
+from .lazy_scalars import DecidesOnDeviceValue, Guard, LazyMode, Scalars
+
+REFUSED = {
+    "LBFGS": ("its step(closure) re-runs the forward and backward several times per step, which one captured step "
+              "cannot; use Adam, AdamW or another torch.optim optimizer"),
+    "SparseAdam": ("it takes sparse gradients (nn.Embedding(sparse=True)), which the planner does not shard; use "
+                   "Adam or AdamW with dense gradients"),
+}
+_KERNEL_FLAGS = {"foreach": False, "fused": False, "differentiable": False}
+_STAND_IN_DIMS = (2, 3, 5, 7, 11, 13, 17, 19)
+"""Sizes of a stand-in's dims: distinct primes, so a state dim's size names the parameter dim it follows."""
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class GroupConfig:
-    """The constant hyper-parameters of one ``param_group``."""
+@dataclass(frozen=True, slots=True)
+class StateEntry:
+    """One state tensor of a parameter, as ``torch.optim`` keeps it under ``key``."""
 
-    kind: str
-    """'sgd' or 'adam' (AdamW is 'adam' with ``decoupled=True``)."""
-    momentum: float = 0.0
-    dampening: float = 0.0
-    nesterov: bool = False
-    weight_decay: float = 0.0
-    maximize: bool = False
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    amsgrad: bool = False
-    decoupled: bool = False
-    """AdamW-style decay ``param *= 1 - lr * weight_decay``."""
-    full_precision: bool = True
-    """Every parameter of the group is float32 or float64: a Python-scalar factor of the update
-    and the same factor as a 0-dim tensor give the same bits (for bf16 / fp16 parameters they
-    do not: the kernels round a tensor factor to the low precision first)."""
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fill: float | None
+    """Every element's value in a fresh optimizer's state (None: the user's tensor)."""
 
 
-def _group_config(optimizer: torch.optim.Optimizer, group: Mapping) -> GroupConfig:
-    name = type(optimizer).__name__
-    full = all(p.dtype in (torch.float32, torch.float64) for p in group["params"])
-    if name == "SGD":
-        return GroupConfig(
-            kind="sgd", momentum=float(group["momentum"]), dampening=float(group["dampening"]),
-            nesterov=bool(group["nesterov"]), weight_decay=float(group["weight_decay"]),
-            maximize=bool(group["maximize"]), full_precision=full,
-        )
-    beta1, beta2 = (float(b) for b in group["betas"])
-    return GroupConfig(
-        kind="adam", weight_decay=float(group["weight_decay"]), maximize=bool(group["maximize"]),
-        beta1=beta1, beta2=beta2, eps=float(group["eps"]), amsgrad=bool(group["amsgrad"]),
-        decoupled=bool(group.get("decoupled_weight_decay", name == "AdamW")), full_precision=full,
-    )
-
-
-def state_names(cfg: GroupConfig) -> tuple[str, ...]:
-    """Names of the per-parameter state tensors, as in ``optimizer.state[p]``."""
-    if cfg.kind == "sgd":
-        return ("momentum_buffer",) if cfg.momentum != 0 else ()
-    return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if cfg.amsgrad else ("exp_avg", "exp_avg_sq")
-
-
-def moving(cfg: GroupConfig) -> tuple[str, ...]:
-    """The hyper-parameters of a group sent as host scalars every step (a scheduler may move
-    them): the ones the update multiplies by a tensor, never an operator's Python scalar
-    argument (nesterov's ``add(alpha=momentum)``, ``addcmul(value=1 - beta2)``), and only where
-    that gives eager's bits (``GroupConfig.full_precision``). AdamW's decay is computed on the
-    host whatever the dtype (``1 - lr * weight_decay``, a float64 factor either way)."""
-    decay = ("weight_decay",) if cfg.kind == "adam" and cfg.decoupled else ()
-    if not cfg.full_precision:
-        return decay
-    if cfg.kind == "sgd":
-        return ("momentum",) if cfg.momentum != 0 and not cfg.nesterov else ()
-    return ("beta1", *decay)
-
-
-def baked(cfg: GroupConfig) -> tuple:
-    """What the graph bakes in of a group: every field but the ``moving`` ones (and whether
-    SGD's momentum is on at all: it decides the state the update keeps)."""
-    skip = moving(cfg)
-    return tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name not in skip) + (
-        ("momentum_on", cfg.momentum != 0),)
-
-
-def host_scalars(cfg: GroupConfig, group: Mapping, step: int) -> dict[str, float]:
-    """Per-step scalars of a group for the optimizer step number ``step`` (1-based), from the
-    group's current values (``group``: the user's ``param_group``)."""
-    lr = float(group["lr"])
-    if cfg.kind == "sgd":
-        out = {"neg_lr": -lr, "first_step": 1.0 if step == 1 else 0.0}
-        if "momentum" in moving(cfg):
-            out["momentum"] = float(group["momentum"])
-        return out
-    beta1 = float(group["betas"][0]) if "beta1" in moving(cfg) else cfg.beta1
-    weight_decay = float(group["weight_decay"]) if "weight_decay" in moving(cfg) else cfg.weight_decay
-    out = {
-        "neg_step_size": -(lr / (1 - beta1**step)),
-        "bias_correction2_sqrt": (1 - cfg.beta2**step) ** 0.5,
-        "decay": 1 - lr * weight_decay,
-    }
-    if "beta1" in moving(cfg):
-        out["one_minus_beta1"] = 1 - beta1
+def _hyper_keys(group: Mapping) -> list[tuple[str, tuple]]:
+    """(name, path) of every float hyper-parameter of a group: a float, or an element of a tuple of floats."""
+    out = []
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if _is_float(value):
+            out.append((key, (key,)))
+        elif isinstance(value, (tuple, list)) and value and all(_is_float(v) for v in value):
+            out += [(f"{key}.{j}", (key, j)) for j in range(len(value))]
     return out
 
 
-def _scaled(x: torch.Tensor, scalar: torch.Tensor, divide: bool = False) -> torch.Tensor:
-    """``x * scalar`` (or ``x / scalar``) for a 0-dim float64 host scalar, rounded as torch's kernels
-    round ``x.mul_(python_float)``: in float32 arithmetic for bf16 / fp16 ``x`` (the kernels' opmath
-    type), the result rounded once to ``x``'s dtype; natively for float32 / float64."""
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        return x / scalar if divide else x * scalar
-    wide, s = x.float(), scalar.float()
-    return (wide / s if divide else wide * s).to(x.dtype)
+def _is_float(v) -> bool:
+    return (isinstance(v, float) and not isinstance(v, bool)) or (isinstance(v, torch.Tensor) and v.numel() == 1
+                                                                   and v.is_floating_point())
 
 
-def _add_scaled(param: torch.Tensor, scalar: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor | None = None):
-    """``param.add_(t1, alpha=s)`` / ``param.addcdiv_(t1, t2, value=s)`` for a 0-dim float64 host
-    scalar ``s``: ``param + s * t1 (/ t2)``. For bf16 / fp16 ``param`` as torch's CPU kernels
-    compute it: in float32, rounded once (``add``'s alpha is first rounded to the low precision,
-    ``addcdiv``'s value is not)."""
-    if param.dtype not in (torch.bfloat16, torch.float16):
-        return param + scalar * t1 if t2 is None else param + scalar * t1 / t2
-    if t2 is None:
-        return (param.float() + scalar.to(param.dtype).float() * t1.float()).to(param.dtype)
-    return (param.float() + scalar.float() * t1.float() / t2.float()).to(param.dtype)
+def _get(group: Mapping, path: tuple) -> float:
+    v = group[path[0]] if len(path) == 1 else group[path[0]][path[1]]
+    return float(v)
 
 
-def sgd_update(cfg: GroupConfig, param, grad, state: dict, scalars: dict):
-    """``torch.optim.sgd._single_tensor_sgd`` for one parameter; returns (param, state)."""
-    grad = -grad if cfg.maximize else grad
-    if cfg.weight_decay != 0:
-        grad = grad.add(param, alpha=cfg.weight_decay)
-    new_state = {}
-    if cfg.momentum != 0:
-        buf = state["momentum_buffer"]
-        # torch starts the buffer as a copy of the first gradient.
-        momentum = scalars["momentum"] if "momentum" in scalars else cfg.momentum
-        continued = buf.mul(momentum).add(grad, alpha=1 - cfg.dampening)
-        buf = torch.where(scalars["first_step"] > 0, grad, continued)
-        new_state["momentum_buffer"] = buf
-        grad = grad.add(buf, alpha=cfg.momentum) if cfg.nesterov else buf
-    return _add_scaled(param, scalars["neg_lr"], grad), new_state
-
-
-def adam_update(cfg: GroupConfig, param, grad, state: dict, scalars: dict):
-    """``torch.optim.adam._single_tensor_adam`` (non-capturable path) for one parameter."""
-    grad = -grad if cfg.maximize else grad
-    if cfg.weight_decay != 0:
-        if cfg.decoupled:
-            param = _scaled(param, scalars["decay"])
-        else:
-            grad = grad.add(param, alpha=cfg.weight_decay)
-    # A moving beta1: 1 - beta1 computed in float64 on the host, then in the parameters' dtype
-    # like lerp's Python-scalar weight (float32 / float64 only: GroupConfig.full_precision).
-    weight = scalars["one_minus_beta1"].to(grad.dtype) if "one_minus_beta1" in scalars else 1 - cfg.beta1
-    exp_avg = state["exp_avg"].lerp(grad, weight)
-    exp_avg_sq = state["exp_avg_sq"].mul(cfg.beta2).addcmul(grad, grad, value=1 - cfg.beta2)
-    new_state = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-    second = exp_avg_sq
-    if cfg.amsgrad:
-        second = torch.maximum(state["max_exp_avg_sq"], exp_avg_sq)
-        new_state["max_exp_avg_sq"] = second
-    denom = _scaled(second.sqrt(), scalars["bias_correction2_sqrt"], divide=True).add(cfg.eps)
-    # addcdiv computes self + value * t1 / t2 in that order.
-    return _add_scaled(param, scalars["neg_step_size"], exp_avg, denom), new_state
-
-
-def update(cfg: GroupConfig, param, grad, state: dict, scalars: dict):
-    fn = sgd_update if cfg.kind == "sgd" else adam_update
-    return fn(cfg, param, grad, state, scalars)
-
-
-def device_scalars(cfg: GroupConfig, lr: torch.Tensor, step: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``host_scalars`` computed in the graph from 0-dim tensors ``lr`` and ``step`` (the
-    1-based number of the step being taken), in float64 as the host computes them."""
-    lr, step = lr.to(torch.float64), step.to(torch.float64)
-    if cfg.kind == "sgd":
-        return {"neg_lr": -lr, "first_step": (step == 1).to(torch.float64)}
-    bias_correction1 = 1 - torch.pow(cfg.beta1, step)
-    bias_correction2 = 1 - torch.pow(cfg.beta2, step)
-    return {
-        "neg_step_size": -(lr / bias_correction1),
-        "bias_correction2_sqrt": bias_correction2.sqrt(),
-        "decay": 1 - lr * cfg.weight_decay,
-    }
+def _baked(group: Mapping) -> tuple:
+    """What the graph bakes in of a group: its settings that are not float hyper-parameters."""
+    floats = {path[0] for _, path in _hyper_keys(group)}
+    return tuple(sorted((k, repr(v)) for k, v in group.items() if k != "params" and k not in floats)) + (
+        ("hyper-parameters", tuple(name for name, _ in _hyper_keys(group))),)
 
 
 class LossScaler:
     """Dynamic loss scaling for fp16, functional: ``torch.amp.GradScaler``'s maths on graph state.
 
-    State (kind ``opt_state``, names ``STATE``): the scale (float32, starts at
-    ``init_scale``), the count of good steps since the last change (int32) and the
-    optimizer's step count (float32, steps taken, skipped ones not counted). A step
-    whose unscaled gradients hold an inf or NaN is skipped (``torch.where``: parameters
-    and optimizer state keep their values) and halves the scale; ``growth_interval``
-    good steps in a row double it (``torch._amp_update_scale_``)."""
+    State (kind ``opt_state``, names ``STATE``): the scale (float32, starts at ``init_scale``)
+    and the count of good steps since the last change (int32). A step whose unscaled gradients
+    hold an inf or NaN is skipped (``torch.where``: parameters and optimizer state, its step
+    count included, keep their values) and halves the scale; ``growth_interval`` good steps in
+    a row double it (``torch._amp_update_scale_``)."""
 
-    STATE = ("amp.loss_scale", "amp.growth_tracker", "amp.step")
+    STATE = ("amp.loss_scale", "amp.growth_tracker")
     init_scale = 2.0**16
     growth_factor = 2.0
     backoff_factor = 0.5
     growth_interval = 2000
 
     @classmethod
-    def initial_state(cls, step: int) -> dict[str, torch.Tensor]:
-        """Fresh scaler state for an optimizer that has taken ``step`` steps."""
+    def initial_state(cls) -> dict[str, torch.Tensor]:
+        """Fresh scaler state."""
         return {"amp.loss_scale": torch.tensor(cls.init_scale, dtype=torch.float32),
-                "amp.growth_tracker": torch.tensor(0, dtype=torch.int32),
-                "amp.step": torch.tensor(float(step), dtype=torch.float32)}
+                "amp.growth_tracker": torch.tensor(0, dtype=torch.int32)}
 
     @staticmethod
     def found_inf(grads) -> torch.Tensor:
@@ -250,7 +139,7 @@ class LossScaler:
     @classmethod
     def update(cls, state: dict[str, torch.Tensor], found_inf: torch.Tensor) -> dict[str, torch.Tensor]:
         """The scaler state after a step (``torch._amp_update_scale_``)."""
-        scale, tracker, step = state["amp.loss_scale"], state["amp.growth_tracker"], state["amp.step"]
+        scale, tracker = state["amp.loss_scale"], state["amp.growth_tracker"]
         good = tracker + 1
         grow = good >= cls.growth_interval
         # One factor, so every operator on the scale follows found_inf (update phase, graph_facts).
@@ -258,100 +147,75 @@ class LossScaler:
         new_scale = scale * factor.to(scale.dtype)
         new_scale = torch.where(torch.isfinite(new_scale), new_scale, scale)  # growth never overflows it
         new_tracker = torch.where(found_inf | grow, torch.zeros_like(tracker), good)
-        new_step = torch.where(found_inf, step, step + 1)
-        return {"amp.loss_scale": new_scale, "amp.growth_tracker": new_tracker, "amp.step": new_step}
+        return {"amp.loss_scale": new_scale, "amp.growth_tracker": new_tracker}
 
 
-class FunctionalOptimizer:
-    """Reads a user's ``torch.optim`` optimizer and offers its functional twin.
+class OptimizerSet:
+    """The user's optimizer(s) as the captured step runs them (module docstring).
 
-    ``names[i]`` is the parameter name (as in ``model.named_parameters()``) of
-    the i-th parameter the optimizer updates; ``group_of[name]`` its group.
-    """
+    ``names``: every parameter the optimizers update, by model name, in the optimizers'
+    order; ``owner[name]``: (optimizer index, group index). ``steps_taken``: steps the workers
+    have already taken (a re-capture after the first step: the state exists there, whatever
+    the driver's objects hold)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, param_names: Mapping[int, str], *,
-                 device_step: bool = False):
-        """``device_step``: the step count is graph state (fp16 loss scaling, module
-        docstring); ``host_scalars`` then sends only each group's ``lr``."""
-        kind = type(optimizer).__name__
-        if kind not in _SUPPORTED:
-            raise CaptureError(
-                f"optimizer {kind} is not supported yet; use one of {', '.join(_SUPPORTED)} "
-                "(torch.optim), or open an issue naming the optimizer you need"
-            )
-        self.optimizer = optimizer
+    def __init__(self, optimizers, param_names: Mapping[int, str], *, device_step: bool = False,
+                 steps_taken: int = 0):
+        self.optimizers = tuple(optimizers)
         self.device_step = bool(device_step)
-        self.groups = [_group_config(optimizer, g) for g in optimizer.param_groups]
-        self.group_of: dict[str, int] = {}
+        for opt in self.optimizers:
+            why = REFUSED.get(type(opt).__name__)
+            if why is not None:
+                raise CaptureError(f"optimizer {type(opt).__name__} cannot run in a parallel step: {why}")
+        if self.device_step and len(self.optimizers) > 1:
+            raise CaptureError("precision='fp16' runs one optimizer (its loss scale spans the step); use one "
+                               "optimizer, or precision='bf16'")
         self.names: list[str] = []
+        self.owner: dict[str, tuple[int, int]] = {}
         self.param_of: dict[str, torch.Tensor] = {}
-        for gi, group in enumerate(optimizer.param_groups):
-            for p in group["params"]:
-                if id(p) not in param_names:
-                    raise CaptureError(
-                        "the optimizer holds a tensor that is not a parameter of the model; "
-                        "build the optimizer from model.parameters()"
-                    )
-                name = param_names[id(p)]
-                self.group_of[name] = gi
-                self.names.append(name)
-                self.param_of[name] = p
+        for k, opt in enumerate(self.optimizers):
+            for gi, group in enumerate(opt.param_groups):
+                for p in group["params"]:
+                    if id(p) not in param_names:
+                        raise CaptureError("the optimizer holds a tensor that is not a parameter of the model; "
+                                           "build the optimizer from model.parameters()")
+                    name = param_names[id(p)]
+                    if name in self.owner:
+                        raise CaptureError(f"parameter {name} is in two optimizers (or twice in one); give each "
+                                           "parameter to one optimizer")
+                    self.owner[name], self.param_of[name] = (k, gi), p
+                    self.names.append(name)
+        self._baked = self._baked_now()
+        self.guards: list[Guard] = []
+        """The Python decisions the traced update took (``lazy_scalars.Guard``)."""
+        self.layout, self.first_step = _Layout.learn(self, steps_taken)
+        """Per parameter: its state tensors (``StateEntry``); the parameters whose state the first step creates."""
 
-    def constants_changed(self) -> str | None:
-        """What moved among the hyper-parameters the graph bakes in (``baked``) since capture, in
-        words, or None. The caller captures the step again when one did."""
-        if len(self.optimizer.param_groups) != len(self.groups):
-            return (f"the optimizer has {len(self.optimizer.param_groups)} parameter groups, it had "
-                    f"{len(self.groups)}")
-        for gi, (old, group) in enumerate(zip(self.groups, self.optimizer.param_groups)):
-            new = _group_config(self.optimizer, group)
-            # fp16's update computes its scalars in the graph from lr alone: everything else is baked
-            fixed, now = (tuple(dataclasses.asdict(c).items()) if self.device_step else baked(c) for c in (old, new))
-            if fixed != now:
-                moved = [f"{k} {a!r} -> {b!r}" for (k, a), (_, b) in zip(fixed, now) if a != b]
-                return f"optimizer group {gi}: {', '.join(moved)}"
-        return None
+    # ---------------------------------------------------------------- what the graph reads
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The first optimizer (the only one of most steps)."""
+        return self.optimizers[0]
 
     def state_names(self, name: str) -> tuple[str, ...]:
-        return state_names(self.groups[self.group_of[name]])
+        """The keys of ``name``'s state tensors, as in ``optimizer.state[p]``."""
+        return tuple(e.key for e in self.layout.get(name, ()))
 
-    def step_count(self) -> int:
-        """Steps the user's optimizer has taken so far (0 for a fresh one).
-
-        SGD keeps no step counter; a momentum buffer shows it took at least
-        one step, which is all its maths needs (``first_step`` is 0, so the
-        buffer is continued rather than restarted from the gradient).
-        """
-        for state in self.optimizer.state.values():
-            step = state.get("step")
-            if step is not None:
-                return int(step)
-            if state.get("momentum_buffer") is not None:
-                return 1
-        return 0
-
-    def host_scalars(self, step: int) -> dict[str, float]:
-        """Every host scalar of every group for step ``step``, keyed ``g{i}.{name}``."""
-        out = {}
-        for gi, (cfg, group) in enumerate(zip(self.groups, self.optimizer.param_groups)):
-            if self.device_step:
-                out[f"g{gi}.lr"] = float(group["lr"])
-                continue
-            for key, value in host_scalars(cfg, group, step).items():
-                out[f"g{gi}.{key}"] = value
-        return out
+    def host_scalars(self) -> dict[str, float]:
+        """Every float hyper-parameter of every group, as the step reads it now: ``o{k}.g{i}.{key}``."""
+        return {f"o{k}.g{gi}.{name}": _get(group, path) for k, opt in enumerate(self.optimizers)
+                for gi, group in enumerate(opt.param_groups) for name, path in _hyper_keys(group)}
 
     def initial_state(self, name: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The state tensors of ``name``: the user's, or zeros for a fresh optimizer."""
-        pstate = self.user_state(name)
-        out = {}
-        for key in self.state_names(name):
-            value = pstate.get(key)
-            out[key] = value.detach() if value is not None else torch.zeros_like(param)
-        return out
+        """``name``'s state tensors: the user's, or a fresh optimizer's (on the meta device for a meta ``param``)."""
+        user = self.user_state(name)
+        device = "meta" if param.is_meta else param.device
+        return {e.key: user[e.key].detach() if e.fill is None else torch.full(e.shape, e.fill, dtype=e.dtype,
+                                                                               device=device)
+                for e in self.layout.get(name, ())}
 
     def user_state(self, name: str) -> dict:
-        return self.optimizer.state.get(self.param_of[name], {})
+        opt = self.optimizers[self.owner[name][0]]
+        return opt.state.get(self.param_of[name], {})
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """State name (``{param}.{key}``, as the graph names it) -> the tensor the user's optimizer holds."""
@@ -363,15 +227,263 @@ class FunctionalOptimizer:
                     out[f"{name}.{key}"] = state[key]
         return out
 
-    def write_back(self, states: Mapping[str, torch.Tensor], step: int, trained: set[str] | None = None) -> None:
-        """Store functional state (by state name) into the user's optimizer, as torch.optim would hold it.
-        ``trained``: the parameters the step updates (None: all); torch.optim keeps no state for a
-        parameter that never had a gradient (a frozen one left in the optimizer), so neither does this."""
+    def step_count(self) -> int:
+        """Steps the user's optimizers have taken (0 for fresh ones): the largest ``step`` state."""
+        steps = [int(st["step"]) for opt in self.optimizers for st in opt.state.values() if "step" in st]
+        if steps:
+            return max(steps)
+        return int(any(st for opt in self.optimizers for st in opt.state.values()))
+
+    def constants_changed(self, steps_taken: int) -> str | None:
+        """What the captured update can no longer follow, in words, or None: a setting that is not a
+        float hyper-parameter, a guard that now goes the other way, the first step having created its
+        state. The caller captures the step again."""
+        now = self._baked_now()
+        if now != self._baked:
+            for key in sorted(set(now) | set(self._baked)):
+                old, new = dict(self._baked.get(key, ())), dict(now.get(key, ()))
+                moved = [f"{a} {old.get(a)} -> {new.get(a)}" for a in sorted(set(old) | set(new))
+                         if old.get(a) != new.get(a)]
+                if moved or key not in now or key not in self._baked:
+                    return f"optimizer {key[0]} group {key[1]}: {', '.join(moved[:3]) or 'added or removed'}"
+        return self._guard_changed(steps_taken)
+
+    def _guard_changed(self, steps_taken: int) -> str | None:
+        if self.guards:
+            hyper = self.host_scalars()
+            for guard in self.guards:
+                if not guard.holds(hyper):
+                    return f"the optimizer's step decided on {guard.what}, which now goes the other way"
+        if self.first_step and steps_taken > 0:
+            return f"the optimizer's first step created the state of {sorted(self.first_step)[0]}"
+        return None
+
+    def _baked_now(self) -> dict:
+        return {(k, gi): _baked(group) for k, opt in enumerate(self.optimizers)
+                for gi, group in enumerate(opt.param_groups)}
+
+    # ---------------------------------------------------------------- the traced update
+    def update(self, k: int, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
+               states: dict[str, dict[str, torch.Tensor]], scalars: dict[str, torch.Tensor]):
+        """Optimizer ``k``'s ``step()`` traced on ``params`` (the graph's inputs), ``grads`` (None: no
+        gradient), ``states`` and the host ``scalars``: ``(new params, new states)`` by name."""
+        opt = self.optimizers[k]
+        names = [n for n in self.names if self.owner[n][0] == k and grads.get(n) is not None]
+        if not names:
+            return {}, {}
+        prefix = f"o{k}."
+        keys = [key for key in scalars if key.startswith(prefix)]
+        flat = [states[n][key] for n in names if n not in self.first_step for key in self.state_names(n)]
+        for capturable in (False, True):
+            ctx = Scalars({key: v for key, v in self.host_scalars().items()})
+            pure = self._pure(opt, k, names, ctx, keys, capturable)
+            try:
+                new_params, new_state = torch.func.functionalize(pure)(
+                    [params[n] for n in names], [grads[n] for n in names], flat, [scalars[key] for key in keys])
+            except DecidesOnDeviceValue as exc:
+                if capturable or not all("capturable" in g for g in opt.param_groups):
+                    raise CaptureError(
+                        f"optimizer {type(opt).__name__} decides in Python on a value only the devices know "
+                        f"({exc}), and has no capturable form that decides on the device; it cannot run in a "
+                        "parallel step") from None
+                continue
+            self.guards += ctx.guards
+            break
+        out_states, it = {}, iter(new_state)
+        for n in names:
+            out_states[n] = {key: next(it) for key in self.state_names(n)}
+        return dict(zip(names, new_params)), out_states
+
+    def _pure(self, opt, k: int, names: list[str], ctx: Scalars, keys: list[str], capturable: bool):
+        """The function ``update`` functionalizes: inputs in, the optimizer's results out."""
+        def pure(params, grads, flat_state, hyper):
+            inputs = {key: ctx.input(t, key) for key, t in zip(keys, hyper)}
+            work = [p.detach() for p in params]
+            for w, g in zip(work, grads):
+                w.grad = g
+            it = iter(flat_state)
+            state = defaultdict(dict)
+            for n, w in zip(names, work):
+                if n not in self.first_step:
+                    state[w] = {key: next(it) for key in self.state_names(n)}
+            shadow = _shadow(opt, names, dict(zip(names, work)), self.param_of, state,
+                             lambda gi, path: inputs[f"o{k}.g{gi}.{path}"], capturable)
+            with LazyMode(ctx), lazy_scalars.patched(_namespaces(opt)), _compiling(capturable):
+                _unhooked_step(opt)(shadow)
+            return work, [shadow.state[w][key] for n, w in zip(names, work) for key in self.state_names(n)]
+
+        return pure
+
+    # ---------------------------------------------------------------- the user's objects
+    def write_back(self, states: Mapping[str, torch.Tensor], trained: set[str] | None = None, into=None) -> None:
+        """Store the state (by state name) into the user's optimizers (or ``into``: optimizers with the
+        same groups, their parameters in the same places), as torch.optim holds it. ``trained``: the
+        parameters the step updates (None: all); torch.optim keeps no state for a parameter that never
+        had a gradient (a frozen one left in the optimizer), so neither does this."""
+        targets = tuple(into) if into is not None else self.optimizers
         for name in self.names:
-            p = self.param_of[name]
+            k, gi = self.owner[name]
             if trained is not None and name not in trained and not self.user_state(name):
                 continue
-            entry = {k: states[f"{name}.{k}"].detach().clone() for k in self.state_names(name)}
-            if self.groups[self.group_of[name]].kind == "adam":
-                entry["step"] = torch.tensor(float(step))
-            self.optimizer.state[p] = entry
+            position = [id(p) for p in self.optimizers[k].param_groups[gi]["params"]].index(id(self.param_of[name]))
+            p = targets[k].param_groups[gi]["params"][position]
+            keys = [key for key in self.state_names(name) if f"{name}.{key}" in states]
+            if keys:
+                targets[k].state[p] = {key: states[f"{name}.{key}"].detach().clone() for key in keys}
+
+
+def _shadow(opt, names: list[str], work: dict[str, torch.Tensor], param_of: dict, state, hyper, capturable: bool):
+    """A copy of ``opt`` over the traced tensors: groups with ``work`` for its parameters (all of a
+    group's, in order; those without a gradient left out, as torch.optim skips them), each float
+    hyper-parameter ``hyper(group index, name)``, the single-tensor kernels, ``state``."""
+    by_id = {id(param_of[n]): work[n] for n in names}
+    shadow = copy.copy(opt)
+    groups = []
+    for gi, group in enumerate(opt.param_groups):
+        g = dict(group, params=[by_id[id(p)] for p in group["params"] if id(p) in by_id])
+        for name, path in _hyper_keys(group):
+            if len(path) == 1:
+                g[path[0]] = hyper(gi, name)
+            else:
+                g[path[0]] = tuple(hyper(gi, f"{path[0]}.{j}") for j in range(len(group[path[0]])))
+        g.update({flag: value for flag, value in _KERNEL_FLAGS.items() if flag in g})
+        if "capturable" in g:
+            g["capturable"] = capturable
+        groups.append(g)
+    shadow.__dict__.update(param_groups=groups, state=state, defaults=dict(opt.defaults, differentiable=False))
+    return shadow
+
+
+def _unhooked_step(opt):
+    """``type(opt).step`` without ``Optimizer``'s wrapper (its hooks and profiler ranges)."""
+    step = type(opt).step
+    return getattr(step, "__wrapped__", step)
+
+
+def _namespaces(opt) -> list[dict]:
+    """The global namespaces of the code of ``opt``'s ``step`` (where its maths is written)."""
+    return [inspect.unwrap(type(opt).step).__globals__]
+
+
+@contextlib.contextmanager
+def _compiling(on: bool) -> Iterator[None]:
+    """``torch.compiler.is_compiling()`` True: torch.optim's capturable form skips its check that the
+    tensors are on a CUDA device (the trace's fake tensors are CPU ones)."""
+    if not on:
+        yield
+        return
+    original = torch.compiler.is_compiling
+    torch.compiler.is_compiling = lambda: True
+    try:
+        yield
+    finally:
+        torch.compiler.is_compiling = original
+
+
+class _Recorded(dict):
+    """A parameter's state dict that keeps a copy of the first value set under each key."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.first = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in self.items()}
+
+    def __setitem__(self, key, value) -> None:
+        if key not in self.first:
+            self.first[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+        super().__setitem__(key, value)
+
+
+class _Layout:
+    """Learning a fresh optimizer's state from its first step on stand-ins (module docstring)."""
+
+    @staticmethod
+    def learn(opts: OptimizerSet, steps_taken: int) -> tuple[dict[str, tuple[StateEntry, ...]], set[str]]:
+        layout, first_step = {}, set()
+        for k, opt in enumerate(opts.optimizers):
+            names = [n for n in opts.names if opts.owner[n][0] == k]
+            have = {n for n in names if opts.user_state(n)}
+            for n in have:
+                layout[n] = tuple(StateEntry(key, tuple(v.shape), v.dtype, None)
+                                  for key, v in opts.user_state(n).items() if isinstance(v, torch.Tensor))
+            fresh = [n for n in names if n not in have and opts.param_of[n].requires_grad]
+            if fresh:
+                learned, unverified = _Layout._stand_in(opt, fresh, opts.param_of)
+                layout.update(learned)
+                if steps_taken == 0:
+                    first_step |= unverified
+        return layout, first_step
+
+    @staticmethod
+    def _stand_in(opt, names: list[str], param_of: dict) -> tuple[dict, set[str]]:
+        """Two eager first steps of ``opt`` on small stand-ins of ``names`` (the rest without gradients):
+        from no state, and from the fills the first recorded. The state tensors, and the parameters
+        whose second run did not end bit for bit where the first did."""
+        gen = torch.Generator().manual_seed(0)
+        shapes = {}
+        for n in names:
+            ndim = param_of[n].dim()
+            if ndim > len(_STAND_IN_DIMS):
+                raise CaptureError(f"parameter {n} has {ndim} dims; the optimizer's state is learnt on stand-ins of "
+                                   f"at most {len(_STAND_IN_DIMS)}")
+            shapes[n] = _STAND_IN_DIMS[:ndim]
+        start = {n: torch.randn(shapes[n], generator=gen).to(param_of[n].dtype) for n in names}
+        grads = {n: torch.randn(shapes[n], generator=gen).to(param_of[n].dtype) for n in names}
+
+        def run(initial):
+            work = {n: start[n].clone() for n in names}
+            for n in names:
+                work[n].grad = grads[n].clone()
+            state = defaultdict(_Recorded)
+            for n in names:
+                if initial is not None:
+                    state[work[n]] = _Recorded(initial[n])
+            shadow = _shadow(opt, names, work, param_of, state, lambda gi, path: _get(opt.param_groups[gi],
+                                                                                      _path(path)), False)
+            _unhooked_step(opt)(shadow)
+            return work, {n: state[work[n]] for n in names}
+
+        with torch.no_grad():
+            work_a, state_a = run(None)
+            fills = {n: {k: _fill(v) for k, v in state_a[n].first.items() if isinstance(v, torch.Tensor)}
+                     for n in names}
+            work_b, state_b = run({n: {k: torch.full(state_a[n].first[k].shape, 0.0 if f is None else f,
+                                                     dtype=state_a[n].first[k].dtype) for k, f in fills[n].items()}
+                                   for n in names})
+        layout, unverified = {}, set()
+        for n in names:
+            same = torch.equal(work_a[n], work_b[n]) and all(
+                torch.equal(state_a[n][k], state_b[n][k]) for k in fills[n])
+            if not same:
+                unverified.add(n)
+            layout[n] = tuple(StateEntry(k, _real_shape(state_a[n].first[k].shape, param_of[n].shape, n, k),
+                                         state_a[n].first[k].dtype, 0.0 if f is None else f)
+                              for k, f in fills[n].items())
+        return layout, unverified
+
+
+def _path(name: str) -> tuple:
+    key, _, j = name.partition(".")
+    return (key,) if not j else (key, int(j))
+
+
+def _fill(t: torch.Tensor) -> float | None:
+    """The value every element of ``t`` holds, or None."""
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return 0.0
+    return float(flat[0]) if bool((flat == flat[0]).all()) else None
+
+
+def _real_shape(stand_in: torch.Size, param: torch.Size, name: str, key: str) -> tuple[int, ...]:
+    """The shape a state tensor of the stand-in has for the real parameter: each dim is 1 or the
+    parameter dim whose stand-in size it has."""
+    out = []
+    for size in stand_in:
+        if size == 1:
+            out.append(1)
+        elif size in _STAND_IN_DIMS[:len(param)]:
+            out.append(int(param[_STAND_IN_DIMS.index(size)]))
+        else:
+            raise CaptureError(f"the optimizer's state {key!r} of {name} has shape {tuple(stand_in)} on a stand-in "
+                               f"of shape {_STAND_IN_DIMS[:len(param)]}, not one that follows the parameter's dims")
+    return tuple(out)

@@ -54,7 +54,7 @@ class ResilientStep:
         while True:
             number = self._step + 1
             try:
-                loss = self.engine.step(leaves, self._functional.host_scalars(number))
+                loss = self.engine.step(leaves, self._functional.host_scalars())
                 self._step = number
                 if self.checkpoint_dir is not None and number % self.checkpoint_every == 0:
                     self.save(self.checkpoint_dir)
@@ -124,7 +124,7 @@ class ResilientStep:
                                   "before save()")
         meta = {"step": self._step, "graph_fingerprint": self.plan.graph_fingerprint, "plan": self.plan.to_dict(),
                 "tensors": self._tensor_table(),
-                "optimizer": checkpoint.describe_optimizer(self._functional.optimizer, self._functional.names)}
+                "optimizer": self._describe_optimizers(checkpoint.describe_optimizer)}
         return str(checkpoint.save_checkpoint(directory, self.engine.save_shards, meta))
 
     def load(self, directory: str) -> int:
@@ -142,6 +142,12 @@ class ResilientStep:
             self.engine.load([checkpoint_source(self.graph, path, manifest)])
             self._step = manifest["step"]
         return manifest["step"]
+
+    def _describe_optimizers(self, describe):
+        """The manifest's ``optimizer``: one description, or a list for a step of several optimizers."""
+        f = self._functional
+        out = [describe(opt, [n for n in f.names if f.owner[n][0] == k]) for k, opt in enumerate(f.optimizers)]
+        return out if len(out) > 1 else out[0]
 
     def _tensor_table(self) -> dict[str, dict]:
         """Manifest ``tensors``: kind, shape, dtype (and param, key of optimizer state)."""

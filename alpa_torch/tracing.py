@@ -18,12 +18,15 @@ What this module does not do: decide what the inputs and outputs mean (the captu
 
 from __future__ import annotations
 
+import inspect
+import logging
 import os
 import re
 import traceback
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -32,7 +35,11 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 
+import alpa_torch.core.attention_op  # noqa: F401 - the fused attention operator the capture keeps
 from alpa_torch.core.errors import (
     CaptureError,
     DataDependentControlFlowError,
@@ -42,6 +49,7 @@ from alpa_torch.core.graph import source_line
 
 from .grouped_mm import grouped_mm_dense
 
+log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
 
@@ -95,17 +103,19 @@ def fake_inputs(mode: FakeTensorMode, values: list[torch.Tensor]) -> list[torch.
     return out
 
 
-def traced(fn, values: list[torch.Tensor], mode: FakeTensorMode, what: str) -> fx.GraphModule:
+def traced(fn, values: list[torch.Tensor], mode: FakeTensorMode, what: str, device_type: str = "cpu"
+           ) -> fx.GraphModule:
     """``fn`` traced on the fake tensors of ``values``, functional and cleaned up (module
     docstring); a failure raised as a named ``CaptureError`` (``what``: the user's function, for
-    the message)."""
+    the message). ``device_type``: the devices the graph will run on ('cpu' or 'cuda': which
+    attention kernels eager would take there, ``FusedAttention``)."""
     fake = fake_inputs(mode, values)
     # A lazy GraphModule writes its Python code on first call (or .code, or pickling), not on
     # every recompile: capture rewrites the graph three times and planning never runs it
     # (LLaMA-3-8B: 1.5 of 9 s were spent generating code nobody called).
     with _use_lazy_graph_module(True):
         try:
-            gm = _trace(fn, fake, mode)
+            gm = _trace(fn, fake, mode, device_type)
         except CaptureError:
             raise
         except Exception as exc:  # noqa: BLE001 - translated into a user-facing error
@@ -118,13 +128,13 @@ def traced(fn, values: list[torch.Tensor], mode: FakeTensorMode, what: str) -> f
     return gm
 
 
-def _trace(fn, fake_values, mode):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    # The math SDPA backend decomposes into shardable matmul/softmax ops
-    # (the CPU flash kernel has no sharding strategy: docs/design.md).
-    with mode, sdpa_kernel(SDPBackend.MATH):
+def _trace(fn, fake_values, mode, device_type: str):
+    with mode, FusedAttention(device_type):
         gm = make_fx(fn, decomposition_table=DECOMPOSITIONS)(*fake_values)
+        # An ``item()`` an operator's argument parser tried before the traced optimizer gave it a
+        # number instead (``lazy_scalars._numbers``) is left in the graph, read by nothing.
+        gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.target is not aten._local_scalar_dense.default
+                                     and n.is_impure())
         if mutates(gm):  # re-tracing to functionalize costs ~40 % of capturing: only where something is written
             gm = make_fx(torch.func.functionalize(gm, remove="mutations"))(*fake_values)
     return gm
@@ -132,10 +142,17 @@ def _trace(fn, fake_values, mode):
 
 def mutates(gm: fx.GraphModule) -> bool:
     """Whether an operator of ``gm`` writes into a tensor (an in-place or ``out=`` op: BatchNorm's
-    running statistics, ``x.add_(...)`` in a step). The capture's own backward and optimizer
-    write nothing (the functional optimizer, gradients as values), so most graphs have none."""
+    running statistics, ``x.add_(...)`` in a step). Not counted: a copy into an input that
+    nothing reads (``_written_back``): the traced optimizer's update is already functional
+    (``optim.OptimizerSet.update``) and returns its results, so most graphs have none."""
     return any(node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-               and node.target._schema.is_mutable for node in gm.graph.nodes)
+               and node.target._schema.is_mutable and not _written_back(node) for node in gm.graph.nodes)
+
+
+def _written_back(node: fx.Node) -> bool:
+    """A copy into a graph input whose result nothing reads: ``functionalize``'s write-back of an
+    input it updated, where the graph returns the updated value itself (``cleanup`` drops it)."""
+    return node.target is aten.copy_.default and node.args[0].op == "placeholder" and not node.users
 
 
 def cleanup(gm: fx.GraphModule) -> None:
@@ -147,10 +164,71 @@ def cleanup(gm: fx.GraphModule) -> None:
         if node.target in (aten.detach.default, aten.alias.default):
             node.replace_all_uses_with(node.args[0])
             g.erase_node(node)
-        elif node.target is aten.copy_.default and node.args[0].op == "placeholder" and not node.users:
+        elif _written_back(node):
             g.erase_node(node)
     g.eliminate_dead_code()
     gm.recompile()
+
+
+class FusedAttention(TorchFunctionMode):
+    """While tracing: ``scaled_dot_product_attention`` as the fused ``alpa::attention`` wherever eager
+    takes a fused kernel on ``device_type`` (``core/attention_op.py``), else decomposed into matmul and
+    softmax, as eager's math path, with one log line saying why."""
+
+    def __init__(self, device_type: str):
+        super().__init__()
+        self.device_type = device_type
+        self._said: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        call = _SDPA.bind(*args, **kwargs)
+        call.apply_defaults()
+        a = call.arguments
+        why = math_reason(self.device_type, a["query"], a["key"], a["value"], a["attn_mask"], a["dropout_p"],
+                          a["is_causal"], a["scale"], a["enable_gqa"])
+        if why is None:
+            return torch.ops.alpa.attention(a["query"], a["key"], a["value"], a["attn_mask"], a["dropout_p"],
+                                            a["is_causal"], a["scale"], a["enable_gqa"])[0]
+        if why not in self._said:
+            self._said.add(why)
+            log.info("attention runs as math (matmul and softmax, a T x T score matrix): %s", why)
+        with sdpa_kernel(SDPBackend.MATH):
+            return func(*args, **kwargs)
+
+
+def _sdpa_signature(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                    enable_gqa=False):
+    """``torch.nn.functional.scaled_dot_product_attention``'s parameters (its builtin has no signature)."""
+
+
+_SDPA = inspect.signature(_sdpa_signature)
+
+
+def math_reason(device_type: str, q, k, v, attn_mask, dropout_p: float, is_causal: bool, scale, enable_gqa: bool
+                ) -> str | None:
+    """Why eager's attention on ``device_type`` would not take a fused kernel for these inputs, or None."""
+    if dropout_p > 0:
+        return "dropout inside attention (eager's CPU kernels take the math path for it too)" \
+            if device_type == "cpu" else "dropout inside fused attention is not supported by alpa-torch yet"
+    if attn_mask is not None and attn_mask.requires_grad:
+        return "the attention mask needs a gradient (a learned bias)"
+    if q.dim() != 4 or k.dim() != 4:
+        return f"the query has {q.dim()} dims (the fused operator takes [batch, heads, sequence, head dim])"
+    if device_type != "cpu":
+        return None if q.dtype in (torch.float32, torch.float16, torch.bfloat16) else f"dtype {q.dtype}"
+    # On the CPU: eager's own choice, asked of small real tensors with the inputs' dtypes, heads, head
+    # dims and mask kind (sequence lengths and batch do not decide it).
+    with _disable_current_modes():  # real tensors, asked outside the trace
+        small = [torch.zeros((1, t.shape[1], 2, t.shape[3]), dtype=t.dtype).requires_grad_(t.requires_grad)
+                 for t in (q, k, v)]
+        mask = None
+        if attn_mask is not None:
+            mask = torch.zeros(tuple(1 if n == 1 else 2 for n in attn_mask.shape), dtype=attn_mask.dtype)
+        choice = torch._fused_sdp_choice(*small, mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    return None if choice == SDPBackend.FLASH_ATTENTION.value else "eager's CPU kernels take the math path here"
 
 
 _SAME_DTYPE = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.addbmm, aten.mv, aten.addmv, aten.dot,

@@ -47,24 +47,38 @@ def model_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     return loss_fn(batch)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> torch.Tensor:
-    """One plain single-device training step, exactly as a user writes it."""
-    optimizer.zero_grad()
+def train_step(model: nn.Module, optimizer, batch: Batch) -> torch.Tensor:
+    """One plain single-device training step, exactly as a user writes it (``optimizer``: one, or a
+    tuple of them: Muon's users pair it with AdamW)."""
+    optimizers = optimizer if isinstance(optimizer, tuple) else (optimizer,)
+    for opt in optimizers:
+        opt.zero_grad()
     loss = model_loss(model, batch)  # forward + loss
     loss.backward()
-    optimizer.step()
+    for opt in optimizers:
+        opt.step()
     return loss
 
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
+OPTIMIZERS = ("sgd", "adam", "adamw", "muon")
+
+
+def muon_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The hidden weight matrices Muon is for (its docs): 2-D parameters, not the input embeddings or
+    the output head (a Hugging Face model's ``get_output_embeddings``), which go to AdamW."""
+    skip = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    skip |= {id(p) for p in head.parameters()} if head is not None else set()
+    return [p for p in model.parameters() if p.dim() == 2 and id(p) not in skip]
 
 
 def make_optimizer(kind: str, model: nn.Module, lr: float | None = None,
-                   foreach: bool | None = False) -> torch.optim.Optimizer:
+                   foreach: bool | None = False) -> torch.optim.Optimizer | tuple:
     """torch.optim optimizer of ``kind`` in ``OPTIMIZERS`` with the zoo's settings.
 
     sgd: lr 1e-2, momentum 0.9, weight_decay 1e-4; adam: lr 1e-3;
-    adamw: lr 1e-3, weight_decay 0.01. ``foreach=False`` by default so the
+    adamw: lr 1e-3, weight_decay 0.01; muon: a tuple, ``torch.optim.Muon`` (lr 0.02) on the hidden
+    matrices (``muon_parameters``) and AdamW on the rest. ``foreach=False`` by default so the
     traced update is one op chain per parameter on every device (CUDA would
     otherwise pick the multi-tensor ``_foreach_*`` kernels); pass None for
     torch's own default.
@@ -77,6 +91,12 @@ def make_optimizer(kind: str, model: nn.Module, lr: float | None = None,
         return torch.optim.Adam(params, lr=1e-3 if lr is None else lr, foreach=foreach)
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=1e-3 if lr is None else lr, weight_decay=0.01, foreach=foreach)
+    if kind == "muon":
+        matrices = muon_parameters(model)
+        ids = {id(p) for p in matrices}
+        return (torch.optim.Muon(matrices, lr=0.02 if lr is None else lr),
+                torch.optim.AdamW([p for p in model.parameters() if id(p) not in ids], lr=1e-3, weight_decay=0.01,
+                                  foreach=foreach))
     raise ValueError(f"unknown optimizer kind {kind!r}; choose one of {OPTIMIZERS}")
 
 
@@ -127,10 +147,16 @@ class GPTConfig:
     """Bias in Linear and LayerNorm layers (GPT-2/GPT-3 style)."""
     tie_weights: bool = False
     """Share the token embedding with ``lm_head`` (GPT-3's counts assume True)."""
+    attention: str = "explicit"
+    """'explicit': matmul, mask, softmax, matmul (what the planner splits op by op); 'sdpa':
+    ``F.scaled_dot_product_attention``, as nanoGPT and Hugging Face models call it (one fused
+    operator, ``alpa_torch/core/attention_op.py``)."""
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
             raise ValueError(f"n_head={self.n_head} must divide n_embd={self.n_embd}")
+        if self.attention not in ("explicit", "sdpa"):
+            raise ValueError(f"attention={self.attention!r}: use 'explicit' or 'sdpa'")
 
     @classmethod
     def tiny(cls, **kw) -> GPTConfig:
@@ -182,20 +208,19 @@ def gpt_config(name: str, **overrides) -> GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal attention written with matmul/masked_fill/softmax.
-
-    Deliberately not ``scaled_dot_product_attention``: the explicit ops are
-    what the sharding planner sees and can split along heads or batch.
-    """
+    """Multi-head causal attention, written with matmul/masked_fill/softmax (the explicit ops the
+    sharding planner splits along heads or batch) or, with ``attention='sdpa'``, as one
+    ``scaled_dot_product_attention`` call."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
+        self.sdpa = cfg.attention == "sdpa"
         self.n_head, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # fused q, k, v
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        # True above the diagonal = a future position that must be hidden.
-        future = torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool).triu(1)
-        self.register_buffer("causal_mask", future, persistent=False)  # [block, block]
+        if not self.sdpa:  # True above the diagonal = a future position that must be hidden.
+            future = torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool).triu(1)
+            self.register_buffer("causal_mask", future, persistent=False)  # [block, block]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -203,10 +228,13 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # [B, H, T, hd]
         k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # [B, H, T, T]
-        att = att.masked_fill(self.causal_mask[:T, :T], float("-inf"))
-        att = F.softmax(att, dim=-1)
-        y = att @ v  # [B, H, T, hd]
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, hd]
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # [B, H, T, T]
+            att = att.masked_fill(self.causal_mask[:T, :T], float("-inf"))
+            att = F.softmax(att, dim=-1)
+            y = att @ v  # [B, H, T, hd]
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.c_proj(y)
 

@@ -214,12 +214,16 @@ def hf_config(name: str, *, twin: bool = False, dropout: bool = True):
     return _transformers(m.config_class)(**values)
 
 
-def hf_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict) -> torch.Tensor:
-    """The training step of Hugging Face's docs: the model computes its own loss from ``labels``."""
-    optimizer.zero_grad()
+def hf_train_step(model: nn.Module, optimizer, batch: dict) -> torch.Tensor:
+    """The training step of Hugging Face's docs: the model computes its own loss from ``labels``
+    (``optimizer``: one, or a tuple of them, as Muon's users pair it with AdamW)."""
+    optimizers = optimizer if isinstance(optimizer, tuple) else (optimizer,)
+    for opt in optimizers:
+        opt.zero_grad()
     loss = model(**batch).loss
     loss.backward()
-    optimizer.step()
+    for opt in optimizers:
+        opt.step()
     return loss
 
 

@@ -134,12 +134,12 @@ class Workload:
 
 def workload(cfg: BenchConfig) -> Workload:
     from alpa_torch.capture import capture
-    from alpa_torch.optim import FunctionalOptimizer
+    from alpa_torch.optim import OptimizerSet
 
     model = build_model(cfg)
     opt = make_optimizer("adamw", model)
     graph = capture(train_step, model, opt, global_batch(cfg, 0))
-    functional = FunctionalOptimizer(opt, {id(p): n for n, p in model.named_parameters()})
+    functional = OptimizerSet((opt,), {id(p): n for n, p in model.named_parameters()})
     values = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     for name in functional.names:
         for key, v in functional.initial_state(name, values[name]).items():
@@ -440,7 +440,7 @@ def _steps(engine, wl: Workload, count: int, first: int) -> tuple[list[float], l
         idx, tgt = global_batch(wl.cfg, step)
         batch = {"batch.0": idx.numpy(), "batch.1": tgt.numpy()}
         t0 = time.perf_counter()
-        loss = engine.step(batch, wl.functional.host_scalars(step + 1))
+        loss = engine.step(batch, wl.functional.host_scalars())
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
     return times, losses

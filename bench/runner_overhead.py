@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def runner_step():
         count[0] += 1
-        runner.step(feed, functional.host_scalars(count[0]))
+        runner.step(feed, functional.host_scalars())
 
     def eager_step():
         eager_opt.zero_grad()

@@ -258,7 +258,7 @@ def _timed_steps(cfg: BenchConfig, step_fn, functional, on_warm=None) -> tuple[l
         idx, tgt = global_batch(cfg, step)
         batch = {"batch.0": idx.numpy(), "batch.1": tgt.numpy()}
         t0 = time.perf_counter()
-        loss = step_fn(batch, functional.host_scalars(step + 1))
+        loss = step_fn(batch, functional.host_scalars())
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
     return times, losses
@@ -292,7 +292,7 @@ def run_alpa_dp(cfg: BenchConfig, hosts: int, devices: int, plan: str, breakdown
     """Pure data parallelism over a ``hosts x devices`` local cluster."""
     from alpa_torch.capture import capture
     from alpa_torch.core.cluster import Cluster
-    from alpa_torch.optim import FunctionalOptimizer
+    from alpa_torch.optim import OptimizerSet
     from intra_ilp.cost_model import MeshCost
     from runtime.engine import Engine
     from runtime.group import WorkerGroup
@@ -305,7 +305,7 @@ def run_alpa_dp(cfg: BenchConfig, hosts: int, devices: int, plan: str, breakdown
     mesh_shape, batch_spec = ((1, devices), "RS(0)") if hosts == 1 else ((hosts, devices), "S(0)S(0)")
     mesh = MeshCost.from_cluster(cluster, (hosts, devices), mesh_shape)
     sharding = solve_dp_plan(graph, mesh, batch_spec, plan)
-    functional = FunctionalOptimizer(opt, {id(p): n for n, p in model.named_parameters()})
+    functional = OptimizerSet((opt,), {id(p): n for n, p in model.named_parameters()})
     state = _initial_state(model, functional)
     with WorkerGroup.start(cluster) as group:
         base = max(group.call_all(_worker_rss_now))
@@ -325,7 +325,7 @@ def run_alpa_pipeline(cfg: BenchConfig, num_stages: int, breakdown: bool = False
     from alpa_torch.capture import capture
     from alpa_torch.core.cluster import Cluster
     from alpa_torch.core.partition import stage_of_nodes
-    from alpa_torch.optim import FunctionalOptimizer
+    from alpa_torch.optim import OptimizerSet
     from intra_ilp.cost_model import MeshCost
     from intra_ilp.stage import solve_stage
     from runtime.engine import Engine, StageDeployment
@@ -345,7 +345,7 @@ def run_alpa_pipeline(cfg: BenchConfig, num_stages: int, breakdown: bool = False
     for k in range(num_stages):
         names = {n for n, s in stage_of.items() if s == k and n in graph.nodes}
         deployments.append(StageDeployment((k,), (1, 1), solve_stage(graph, mesh, names=names)))
-    functional = FunctionalOptimizer(opt, {id(p): n for n, p in model.named_parameters()})
+    functional = OptimizerSet((opt,), {id(p): n for n, p in model.named_parameters()})
     state = _initial_state(model, functional)
     with WorkerGroup.start(cluster) as group:
         base = max(group.call_all(_worker_rss_now))

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.utils._pytree
 
+import alpa_torch.core.op_rules  # noqa: F401 - DTensor rules the graphs need (aten.copy)
 from alpa_torch.core.spec import P, Placement, R, S, ShardingSpec, from_dtensor_placements, to_dtensor_placements
 
 log = logging.getLogger(__name__)

@@ -221,8 +221,8 @@ def plain_value(value: Any) -> Any:
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, (list, tuple)):
-        items = [plain_value(v) for v in value]
-        return None if any(v is None for v in items) else items
+        items = [plain_value(v) for v in value]  # None items stay (Adafactor's eps = (None, 1e-3))
+        return None if any(v is None and u is not None for u, v in zip(value, items)) else items
     return None
 
 
@@ -284,10 +284,11 @@ def check_manifest(m: Any, where: str = "the manifest") -> None:
         _check_tensor(name, entry, where)
     for entry in m["files"]:
         _check_file(entry, m["tensors"], where)
-    opt = m["optimizer"]
-    if not isinstance(opt, dict):
-        raise CheckpointError(f"{where}: 'optimizer' must be an object. {_FIX}")
-    _check_keys(opt, OPTIMIZER_KEYS, where, "optimizer")
+    opts = m["optimizer"] if isinstance(m["optimizer"], list) else [m["optimizer"]]
+    for opt in opts:
+        if not isinstance(opt, dict):
+            raise CheckpointError(f"{where}: 'optimizer' must be an object (or a list of them). {_FIX}")
+        _check_keys(opt, OPTIMIZER_KEYS, where, "optimizer")
 
 
 def _check_keys(d: dict, allowed: frozenset | set, where: str, what: str) -> None:
@@ -401,30 +402,26 @@ def _load_plain(directory) -> tuple[dict, dict[str, torch.Tensor], dict]:
     return manifest, model, _optimizer_state_dict(manifest, values)
 
 
-def _optimizer_state_dict(manifest: dict, values: dict[str, torch.Tensor]) -> dict:
-    opt, step = manifest["optimizer"], manifest["step"]
-    if "amp.step" in values:  # fp16 loss scaling: the optimizer's own count, skipped steps left out
-        step = int(values["amp.step"])
+def _optimizer_state_dict(manifest: dict, values: dict[str, torch.Tensor]):
+    """The saved optimizer's ``state_dict()`` (a list of them for a step of several optimizers)."""
     by_param: dict[str, dict] = {}
     for n, e in manifest["tensors"].items():
-        if e["kind"] == "opt_state":
+        if e["kind"] == "opt_state" and e["param"] != "<amp>":
             by_param.setdefault(e["param"], {})[e["key"]] = values[n]
-    state = {}
-    if step > 0:  # torch.optim holds no state before the first step
-        for i, pname in enumerate(opt["param_names"]):
-            entry = dict(by_param.get(pname, {}))
-            if opt["type"] in ("Adam", "AdamW"):
-                entry["step"] = torch.tensor(float(step))
-            if entry:
-                state[i] = entry
-    groups = [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()}
-              for g in opt["param_groups"]]
-    return {"state": state, "param_groups": groups}
+    out = []
+    for opt in manifest["optimizer"] if isinstance(manifest["optimizer"], list) else [manifest["optimizer"]]:
+        state = {}
+        if manifest["step"] > 0:  # torch.optim holds no state before the first step
+            state = {i: dict(by_param[p]) for i, p in enumerate(opt["param_names"]) if by_param.get(p)}
+        groups = [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()}
+                  for g in opt["param_groups"]]
+        out.append({"state": state, "param_groups": groups})
+    return out if isinstance(manifest["optimizer"], list) else out[0]
 
 
-def load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-              directory: str | os.PathLike[str]) -> int:
-    """Copy a checkpoint into a plain ``model`` (and ``optimizer``); returns its step count."""
+def load_into(model: torch.nn.Module, optimizer, directory: str | os.PathLike[str]) -> int:
+    """Copy a checkpoint into a plain ``model`` (and ``optimizer``, or the tuple of optimizers the step
+    took); returns its step count."""
     manifest, model_sd, opt_sd = _load_plain(directory)
     targets = dict(model.named_parameters()) | dict(model.named_buffers())
     missing, unexpected = sorted(set(targets) - set(model_sd)), sorted(set(model_sd) - set(targets))
@@ -433,17 +430,20 @@ def load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
         raise CheckpointError(f"the checkpoint does not fit this model: missing {missing[:5]}, unexpected "
                               f"{unexpected[:5]}, other shapes {bad[:5]}. Fix: build the model the way the "
                               "saved one was built.")
-    if optimizer is not None:
-        names = {id(p): n for n, p in model.named_parameters()}
-        order = [names.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
-        saved = manifest["optimizer"]
-        if order != saved["param_names"] or type(optimizer).__name__ != saved["type"]:
-            raise CheckpointError(f"the optimizer ({type(optimizer).__name__}, {len(order)} params) is not the "
-                                  f"saved one ({saved['type']}, {len(saved['param_names'])} params in the same "
-                                  "order). Fix: build it the same way, e.g. from model.parameters().")
+    several = isinstance(manifest["optimizer"], list)
+    opts = () if optimizer is None else tuple(optimizer) if isinstance(optimizer, (tuple, list)) else (optimizer,)
+    saved_all = manifest["optimizer"] if several else [manifest["optimizer"]]
+    names = {id(p): n for n, p in model.named_parameters()}
+    for opt, saved in zip(opts, saved_all):
+        order = [names.get(id(p)) for g in opt.param_groups for p in g["params"]]
+        if order != saved["param_names"] or type(opt).__name__ != saved["type"] or len(opts) != len(saved_all):
+            raise CheckpointError(f"the optimizer ({type(opt).__name__}, {len(order)} params; {len(opts)} "
+                                  f"optimizer(s)) is not the saved one ({saved['type']}, {len(saved['param_names'])} "
+                                  f"params in the same order; {len(saved_all)} optimizer(s)). Fix: build it the same "
+                                  "way, e.g. from model.parameters().")
     with torch.no_grad():
         for name, t in targets.items():
             t.copy_(model_sd[name])
-    if optimizer is not None:
-        optimizer.load_state_dict(opt_sd)
+    for opt, sd in zip(opts, opt_sd if several else [opt_sd]):
+        opt.load_state_dict(sd)
     return manifest["step"]

@@ -49,6 +49,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+import alpa_torch.core.op_rules  # noqa: F401 - DTensor rules the graphs need (aten.copy)
 from alpa_torch.core.grad_op import GRAD_MARKER_NAME
 from alpa_torch.core.spec import ShardingSpec, to_dtensor_placements
 
@@ -602,7 +603,8 @@ class StageRunner:
             except RuntimeError as exc:
                 # A redistributed shard can have other strides than the value eager viewed:
                 # the graph is functional, so viewing a contiguous copy gives the same values.
-                if st.target is not torch.ops.aten.view.default or "view size is not compatible" not in str(exc):
+                if st.target is not torch.ops.aten.view.default or not any(
+                        words in str(exc) for words in ("view size is not compatible", "Cannot view a tensor")):
                     raise
                 self.contiguous_views.add(st.name)
                 return st.target(args[0].contiguous(), *args[1:], **kwargs)

@@ -7,7 +7,8 @@ Sources are plain picklable objects the driver builds from manifests and headers
 only; the workers open the files or run the initialisation (``StageRunner.load_from``).
 
 - ``Values``: full tensors the driver holds (a materialised model, small state);
-- ``Zeros``: a fresh optimizer's state (``torch.optim`` starts its moments at zero);
+- ``Filled``: a fresh optimizer's state, each tensor one value (``torch.optim`` starts its
+  moments at zero, a step count at 0, Adagrad's sum at its initial value);
 - ``CheckpointTiles``: an alpa-torch checkpoint (``checkpoint.py``): the tiles that
   overlap the box, from whichever plan wrote them;
 - ``SafetensorsWeights``: a Hugging Face weights directory (``model.safetensors``, or
@@ -63,14 +64,16 @@ class Values:
         return part if part.numel() == full.numel() else part.clone()  # a view would keep the whole alive
 
 
-class Zeros:
-    """Zero state (a fresh optimizer's moments)."""
+class Filled:
+    """State whose every element starts at one value (a fresh optimizer's: zero moments, ``lr``, a step
+    count of 0): name -> value."""
 
-    def __init__(self, names):
-        self.names = frozenset(names)
+    def __init__(self, fills: dict[str, float]):
+        self.fills = dict(fills)
+        self.names = frozenset(fills)
 
     def read(self, name: str, box: Box, dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(_shape(box), dtype=dtype)
+        return torch.full(_shape(box), self.fills[name], dtype=dtype)
 
 
 class CheckpointTiles:

@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 
 from alpa_torch.capture import GRAD_MARKER, capture
 from alpa_torch.core.errors import CaptureError, DataDependentControlFlowError, LossError, UnsupportedOperatorError
-from alpa_torch.optim import FunctionalOptimizer
+from alpa_torch.optim import OptimizerSet
 from alpa_torch.zoo import (
     GPT,
     OPTIMIZERS,
@@ -62,7 +62,7 @@ class GraphTrainer:
 
     def __init__(self, graph, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         self.graph = graph
-        self.functional = FunctionalOptimizer(optimizer, {id(p): n for n, p in model.named_parameters()})
+        self.functional = OptimizerSet((optimizer,), {id(p): n for n, p in model.named_parameters()})
         self.step = self.functional.step_count()  # steps already taken: a warm optimizer resumes
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
         self.values = {**params, **{n: b.detach().clone() for n, b in model.named_buffers()}}
@@ -72,7 +72,7 @@ class GraphTrainer:
 
     def __call__(self, batch) -> torch.Tensor:
         self.step += 1
-        scalars = {k: torch.tensor(v, dtype=torch.float64) for k, v in self.functional.host_scalars(self.step).items()}
+        scalars = {k: torch.tensor(v, dtype=torch.float64) for k, v in self.functional.host_scalars().items()}
         leaves = {f"batch.{i}": leaf for i, leaf in enumerate(pytree.tree_leaves(batch))}
         out = self.graph.run({**self.values, **scalars, **leaves})
         for key, value in out.items():
@@ -140,7 +140,7 @@ def zoo_graph(name: str, kind: str):
 # ---------------------------------------------------------------- equivalence
 
 
-@pytest.mark.parametrize("kind", OPTIMIZERS)
+@pytest.mark.parametrize("kind", [k for k in OPTIMIZERS if k != "muon"])  # a pair: test_optimizers_parallel.py
 @pytest.mark.parametrize("name", NAMES)
 def test_zoo_graph_trains_like_eager(name, kind):
     model, batch = ZOO[name]()
@@ -196,7 +196,7 @@ def test_gradient_clipping_trains_like_eager(name, kind):
     train_both(_clipped_step, model, make_optimizer(kind, model), batches)
 
 
-@pytest.mark.parametrize("kind", OPTIMIZERS)
+@pytest.mark.parametrize("kind", [k for k in OPTIMIZERS if k != "muon"])  # a pair: test_optimizers_parallel.py
 def test_lr_scheduler_changes_lr_without_recapture(kind):
     model, batch = ZOO["mlp"]()
     optimizer = make_optimizer(kind, model, lr=0.05)
@@ -383,7 +383,7 @@ def test_summary_string():
                            f"{c['update']} update; 29 params, 0.1 MiB; ")
     assert text.endswith(f"{graph.total_flops() / 1e9:.3f} GFLOP/step)")
     assert sum(c.values()) == graph.num_ops and graph.total_flops() > 0
-    assert graph.meta["optimizer"] == "AdamW" and graph.meta["step"] == 1
+    assert graph.meta["optimizer"] == "AdamW"
     assert graph.meta["batch_shapes"] == [(8, 16), (8, 16)]
 
 
@@ -405,7 +405,8 @@ def test_meta_gpt_1_3b_captures_without_weights():
     param_bytes = sum(s.nbytes for s in graph.inputs if s.kind == "param")
     assert param_bytes == 4 * model.config.num_params()
     assert param_bytes == pytest.approx(1.42e9 * 4, rel=0.01)
-    assert len(graph.input_names("opt_state")) == 2 * len(graph.input_names("param"))  # exp_avg, exp_avg_sq
+    # torch.optim's own state: step, exp_avg, exp_avg_sq
+    assert len(graph.input_names("opt_state")) == 3 * len(graph.input_names("param"))
     # forward + backward is about 6 * params * tokens (Kaplan et al. 2020), plus attention
     fwd_bwd = graph.total_flops("forward") + graph.total_flops("backward")
     assert fwd_bwd == pytest.approx(6 * 1.42e9 * 1024, rel=0.1)
@@ -518,11 +519,11 @@ def test_step_without_optimizer_update_is_an_error(step_fn, problem, fix):
     assert problem in str(info.value) and fix in str(info.value)
 
 
-def test_unsupported_optimizer_is_named():
+def test_refused_optimizer_is_named():
     model, batch = ZOO["mlp"]()
     with pytest.raises(CaptureError) as info:
-        capture(train_step, model, torch.optim.RMSprop(model.parameters()), batch)
-    assert "RMSprop" in str(info.value) and "SGD, Adam, AdamW" in str(info.value)
+        capture(train_step, model, torch.optim.LBFGS(model.parameters()), batch)
+    assert "LBFGS" in str(info.value) and "closure" in str(info.value)
 
 
 @torch.library.custom_op("alpa_test::twice", mutates_args=())

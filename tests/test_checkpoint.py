@@ -40,9 +40,9 @@ def _plain_state(step: int = 3):
     for name, p in model.named_parameters():
         values[name] = p.detach().clone()
         tensors[name] = {"kind": "param", "shape": list(p.shape), "dtype": "float32"}
-        for key in ("exp_avg", "exp_avg_sq"):
-            values[f"{name}.{key}"] = opt.state[p][key].clone()
-            tensors[f"{name}.{key}"] = {"kind": "opt_state", "shape": list(p.shape), "dtype": "float32",
+        for key, v in opt.state[p].items():  # torch.optim's own state: step, exp_avg, exp_avg_sq
+            values[f"{name}.{key}"] = v.clone()
+            tensors[f"{name}.{key}"] = {"kind": "opt_state", "shape": list(v.shape), "dtype": "float32",
                                         "param": name, "key": key}
     meta = {"step": step, "graph_fingerprint": "0" * 16, "plan": {}, "tensors": tensors,
             "optimizer": ckpt.describe_optimizer(opt, [n for n, _ in model.named_parameters()])}

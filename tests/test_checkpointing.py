@@ -25,7 +25,7 @@ from alpa_torch.capture import capture
 from alpa_torch.core.cluster import Cluster
 from alpa_torch.core.errors import InfeasibleMemoryError, PlanError
 from alpa_torch.core.remat import is_random, recompute_nodes, rematerialize
-from alpa_torch.optim import FunctionalOptimizer
+from alpa_torch.optim import OptimizerSet
 from alpa_torch.zoo import ZOO, build, make_batch, make_optimizer, train_step
 from stage_dp.checkpointing import Checkpointing, choose_layers, stage_memory
 from stage_dp.layer_assign import assign_layers
@@ -35,14 +35,14 @@ ATOL = 1e-5
 
 
 def _graph_inputs(model, opt, batch):
-    functional = FunctionalOptimizer(opt, {id(p): n for n, p in model.named_parameters()})
+    functional = OptimizerSet((opt,), {id(p): n for n, p in model.named_parameters()})
     values = {n: p.detach() for n, p in model.named_parameters()}
     values.update(dict(model.named_buffers()))
     params = dict(model.named_parameters())
     for n in functional.names:
         for k, v in functional.initial_state(n, params[n]).items():
             values[f"{n}.{k}"] = v
-    for k, v in functional.host_scalars(1).items():
+    for k, v in functional.host_scalars().items():
         values[k] = torch.tensor(v, dtype=torch.float64)
     for i, leaf in enumerate(pytree.tree_leaves(batch)):
         values[f"batch.{i}"] = leaf

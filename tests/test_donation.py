@@ -119,7 +119,7 @@ def test_donating_runs_in_place_only_where_it_gives_the_functional_result():
 def _run_steps(donate: bool, steps: int = 4):
     from alpa_torch.capture import capture
     from alpa_torch.core.cluster import Cluster
-    from alpa_torch.optim import FunctionalOptimizer
+    from alpa_torch.optim import OptimizerSet
     from alpa_torch.zoo import ZOO, make_batch, make_optimizer, train_step
     from intra_ilp.cost_model import MeshCost
     from intra_ilp.stage import solve_stage
@@ -132,7 +132,7 @@ def _run_steps(donate: bool, steps: int = 4):
     graph = capture(train_step, model, opt, make_batch("gpt", 8, seed=0))
     cluster = Cluster.local(1, 2)
     sharding = solve_stage(graph, MeshCost.from_cluster(cluster, (1, 2), (1, 2)), force=_force(graph, "RS(0)"))
-    functional = FunctionalOptimizer(opt, {id(p): n for n, p in model.named_parameters()})
+    functional = OptimizerSet((opt,), {id(p): n for n, p in model.named_parameters()})
     with WorkerGroup.start(cluster) as group:
         engine = Engine(group, graph, sharding)
         engine.load_state(_state(model, functional))
@@ -141,7 +141,7 @@ def _run_steps(donate: bool, steps: int = 4):
         for i in range(steps):
             batch = make_batch("gpt", 8, seed=i)
             losses.append(engine.step({f"batch.{j}": t.numpy() for j, t in enumerate(batch)},
-                                      functional.host_scalars(i + 1)))
+                                      functional.host_scalars()))
             ptrs.append(group.call_all(_state_pointers))
         return losses, engine.gather_state(), ptrs
 

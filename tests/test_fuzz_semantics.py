@@ -1,7 +1,8 @@
 """A differential fuzzer: random small models and steps, eager against ``parallelize``.
 
 Hypothesis composes a model (depth, width, tied weights, frozen layers), an optimizer
-(SGD with or without momentum, Adam, AdamW; one or two parameter groups), a step (loss
+(any of ``torch.optim``'s but LBFGS and SparseAdam, or Muon with AdamW; one or two
+parameter groups), a step (loss
 reduction, labels padded with ignored -100s, a Python float weight in the batch, gradient
 clipping, gradient accumulation inside the step over two halves of the batch, zero_grad
 before or after the update), a
@@ -73,7 +74,7 @@ def cases(draw):
     return {
         "depth": draw(st.integers(1, 3)), "width": draw(st.sampled_from([8, 16])),
         "tied": draw(st.booleans()), "frozen": draw(st.booleans()),
-        "optimizer": draw(st.sampled_from(["sgd", "sgd_momentum", "adam", "adamw"])),
+        "optimizer": draw(st.sampled_from(list(OPTIMIZERS))),
         "two_groups": draw(st.booleans()),
         "reduction": draw(st.sampled_from(["mean", "sum"])),
         "padded": draw(st.booleans()),
@@ -101,7 +102,7 @@ def make_between(case):
 
     def between(model, optimizer, step):
         if case["between"] == "read":
-            return [model.state_dict(), [st for st in optimizer.state_dict()["state"].values()]]
+            return [model.state_dict(), [list(o.state_dict()["state"].values()) for o in _all(optimizer)]]
         if case["between"] == "write":
             with torch.no_grad():
                 model.out.weight.mul_(0.5)
@@ -127,11 +128,16 @@ def _pack(x, y, w, container):
             "namedtuple": PairBatch(x, y, w)}[container]
 
 
+def _all(optimizer) -> tuple:
+    return tuple(optimizer) if isinstance(optimizer, tuple) else (optimizer,)
+
+
 def make_step(case):
     def train_step(model, optimizer, batch):
         x, y, w = _unpack(batch, case["container"])
         if not case["zero_grad_at_end"]:
-            optimizer.zero_grad()
+            for o in _all(optimizer):
+                o.zero_grad()
         half = BATCH // 2
         parts = [(x[:half], y[:half]), (x[half:], y[half:])] if case["accumulate"] else [(x, y)]
         total = 0.0
@@ -141,30 +147,60 @@ def make_step(case):
             total = total + loss.detach()
         if case["clip"] is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])
-        optimizer.step()
+        for o in _all(optimizer):
+            o.step()
         if case["zero_grad_at_end"]:
-            optimizer.zero_grad()
+            for o in _all(optimizer):
+                o.zero_grad()
         return total
 
     return train_step
 
 
+OPTIMIZERS = {
+    "sgd": lambda g: torch.optim.SGD(g, lr=0.05, weight_decay=1e-3),
+    "sgd_momentum": lambda g: torch.optim.SGD(g, lr=0.05, momentum=0.9, weight_decay=1e-3),
+    "adam": lambda g: torch.optim.Adam(g, lr=0.01, weight_decay=0.01),
+    "adamw": lambda g: torch.optim.AdamW(g, lr=0.01, weight_decay=0.01),
+    "adadelta": lambda g: torch.optim.Adadelta(g, lr=0.5),
+    "adagrad": lambda g: torch.optim.Adagrad(g, lr=0.05),
+    "adamax": lambda g: torch.optim.Adamax(g, lr=0.01),
+    "asgd": lambda g: torch.optim.ASGD(g, lr=0.01),
+    "nadam": lambda g: torch.optim.NAdam(g, lr=0.01),
+    "radam": lambda g: torch.optim.RAdam(g, lr=0.01, decoupled_weight_decay=True, weight_decay=0.01),
+    "rmsprop": lambda g: torch.optim.RMSprop(g, lr=0.01, momentum=0.5),
+    "rprop": lambda g: torch.optim.Rprop(g, lr=0.01),
+    "adafactor": lambda g: torch.optim.Adafactor(g, lr=0.01),
+    "muon": None,  # Muon on the matrices, AdamW on the rest: a tuple of two optimizers
+}
+
+
 def make_optimizer(case, model):
     params = [p for p in model.parameters() if p.requires_grad]
+    if case["optimizer"] == "muon":
+        return (torch.optim.Muon([p for p in params if p.dim() == 2], lr=0.02),
+                torch.optim.AdamW([p for p in params if p.dim() != 2], lr=0.01))
     groups = [{"params": params[: len(params) // 2]}, {"params": params[len(params) // 2:], "lr": 0.02}] \
         if case["two_groups"] and len(params) >= 2 else [{"params": params}]
-    kind = case["optimizer"]
-    if kind.startswith("sgd"):
-        return torch.optim.SGD(groups, lr=0.05, momentum=0.9 if kind == "sgd_momentum" else 0.0, weight_decay=1e-3)
-    cls = torch.optim.Adam if kind == "adam" else torch.optim.AdamW
-    return cls(groups, lr=0.01, weight_decay=0.01)
+    return OPTIMIZERS[case["optimizer"]](groups)
+
+
+class _Schedulers:
+    def __init__(self, schedulers):
+        self.schedulers = schedulers
+
+    def step(self) -> None:
+        for s in self.schedulers:
+            s.step()
 
 
 def make_scheduler(case, optimizer):
     if case["scheduler"] == "step":
-        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return _Schedulers([torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in _all(optimizer)])
     if case["scheduler"] == "onecycle":
-        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=10)
+        return _Schedulers([torch.optim.lr_scheduler.OneCycleLR(
+            o, max_lr=0.05, total_steps=10, cycle_momentum="betas" in o.defaults or o.defaults.get("momentum", 0) > 0)
+            for o in _all(optimizer)])
     return None
 
 

@@ -247,7 +247,7 @@ def test_weights_win_over_the_values_of_a_materialised_model(tmp_path):
     """weights= with a model that holds values: the files give every tensor they have."""
     from alpa_torch.capture import capture
     from alpa_torch.initial_state import model_sources
-    from alpa_torch.optim import FunctionalOptimizer
+    from alpa_torch.optim import OptimizerSet
 
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(_llama_config()).save_pretrained(tmp_path)
@@ -255,7 +255,7 @@ def test_weights_win_over_the_values_of_a_materialised_model(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.zeros(2, 8, dtype=torch.long)
     graph = capture(hf_step, model, opt, {"input_ids": ids, "labels": ids})
-    functional = FunctionalOptimizer(opt, {id(p): n for n, p in model.named_parameters()})
+    functional = OptimizerSet((opt,), {id(p): n for n, p in model.named_parameters()})
     sources = model_sources(graph, model, functional, seed=0, weights=str(tmp_path))
     first = {n: next(type(s).__name__ for s in sources if n in s.names) for n in graph.input_names("param")}
     assert set(first.values()) == {"SafetensorsWeights"}, first

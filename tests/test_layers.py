@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("alpa_torch", "intra_ilp", "stage_dp", "runtime")
 CAPTURE = {"alpa_torch.capture", "alpa_torch.optim", "alpa_torch.batch", "alpa_torch.masked_mean",
-           "alpa_torch.grouped_mm", "alpa_torch.tracing", "alpa_torch.capture_forward"}
+           "alpa_torch.grouped_mm", "alpa_torch.tracing", "alpa_torch.capture_forward", "alpa_torch.lazy_scalars"}
 LAYER_NAMES = ("core", "capture", "intra_ilp", "stage_dp", "runtime", "public face")
 
 

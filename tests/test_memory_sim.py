@@ -128,7 +128,7 @@ def test_simulated_peak_matches_the_runtimes_live_heap():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from alpa_torch.core.cluster import Cluster
-    from alpa_torch.optim import FunctionalOptimizer
+    from alpa_torch.optim import OptimizerSet
     from alpa_torch.zoo import GPT, GPTConfig, _lm_batch, make_optimizer, train_step
     from intra_ilp.cost_model import MeshCost
     from intra_ilp.stage import solve_stage
@@ -144,7 +144,7 @@ def test_simulated_peak_matches_the_runtimes_live_heap():
     sharding = solve_stage(graph, MeshCost.from_cluster(Cluster.local(1, 1), (1, 1), (1, 1)))
     est = simulate_stage(graph, sharding)
 
-    functional = FunctionalOptimizer(opt, {id(p): n for n, p in model.named_parameters()})
+    functional = OptimizerSet((opt,), {id(p): n for n, p in model.named_parameters()})
     values = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     for name in functional.names:
         values.update({f"{name}.{k}": v for k, v in functional.initial_state(name, values[name]).items()})
@@ -155,7 +155,7 @@ def test_simulated_peak_matches_the_runtimes_live_heap():
     runner.load_state({k: v.detach().clone().numpy() for k, v in values.items()})
     feed = {"batch.0": batch[0].numpy(), "batch.1": batch[1].numpy()}
     feed.update({k: v.numpy() for k, v in graph.loss_norms(feed).items()})  # the mean loss's count
-    runner.step(feed, functional.host_scalars(1))  # the state now lives in the runtime's own tensors
+    runner.step(feed, functional.host_scalars())  # the state now lives in the runtime's own tensors
     peak = [0]
 
     class Probe(TorchDispatchMode):
@@ -168,7 +168,7 @@ def test_simulated_peak_matches_the_runtimes_live_heap():
     base = in_use()
     state = sum(v.numel() * v.element_size() for v in runner.state.values())
     with Probe():
-        runner.step(feed, functional.host_scalars(2))
+        runner.step(feed, functional.host_scalars())
     live = peak[0] - base + state
     assert live == pytest.approx(est.peak_bytes, rel=0.05), (live, est)
 

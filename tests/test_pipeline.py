@@ -16,7 +16,7 @@ from alpa_torch.capture import capture
 from alpa_torch.core.cluster import Cluster
 from alpa_torch.core.errors import BatchSplitError, PlanError
 from alpa_torch.core.partition import partition, stage_of_nodes
-from alpa_torch.optim import FunctionalOptimizer
+from alpa_torch.optim import OptimizerSet
 from alpa_torch.zoo import ZOO, make_batch, make_optimizer, train_step
 from intra_ilp.cost_model import MeshCost
 from intra_ilp.stage import solve_stage
@@ -64,7 +64,7 @@ def run_pipeline(name, hosts, devices, stages, microbatches, schedule, cheap=Fal
     eager, _ = ZOO[name]()
     eager_opt = make_optimizer(opt, eager)
     model, optimizer, graph, stage_of, deployments = _plan(name, stages, microbatches, cheap, opt, force_dp)
-    functional = FunctionalOptimizer(optimizer, {id(p): n for n, p in model.named_parameters()})
+    functional = OptimizerSet((optimizer,), {id(p): n for n, p in model.named_parameters()})
     values = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     for n in functional.names:
         for key, v in functional.initial_state(n, values[n]).items():
@@ -75,7 +75,7 @@ def run_pipeline(name, hosts, devices, stages, microbatches, schedule, cheap=Fal
         for i in range(3):
             batch = make_batch(name, BATCH, seed=i)
             expected = float(train_step(eager, eager_opt, batch).detach())
-            got = engine.step({f"batch.{j}": t.numpy() for j, t in enumerate(batch)}, functional.host_scalars(i + 1))
+            got = engine.step({f"batch.{j}": t.numpy() for j, t in enumerate(batch)}, functional.host_scalars())
             assert got == pytest.approx(expected, abs=ATOL), f"step {i}"
         final = engine.gather_state()
     for pname, p in eager.named_parameters():

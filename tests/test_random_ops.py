@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from alpa_torch import Cluster
 from alpa_torch.capture import capture
-from alpa_torch.optim import FunctionalOptimizer
+from alpa_torch.optim import OptimizerSet
 from intra_ilp.cost_model import MeshCost
 from intra_ilp.stage import solve_stage
 from runtime.rng import is_random, op_seed
@@ -61,12 +61,12 @@ def _masks(batch_spec: str, seed: int, steps: int = 2) -> tuple[list[float], lis
     force["mask"] = batch_spec
     cluster = Cluster.local(1, 2)
     sharding = solve_stage(graph, MeshCost.from_cluster(cluster, (1, 2), (1, 2)), force=force)
-    functional = FunctionalOptimizer(opt, {id(p): n for n, p in model.named_parameters()})
+    functional = OptimizerSet((opt,), {id(p): n for n, p in model.named_parameters()})
     values = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     with WorkerGroup.start(cluster) as group:
         engine = Engine(group, graph, sharding, seed=seed)
         engine.load_state(to_wire_dict(values))
-        losses = [engine.step({"batch.0": batch.numpy()}, functional.host_scalars(i + 1)) for i in range(steps)]
+        losses = [engine.step({"batch.0": batch.numpy()}, functional.host_scalars()) for i in range(steps)]
         local = group.call_all(lambda state: _local(state["runner"].state["mask"]))
     return losses, [from_wire(m) for m in local]
 

@@ -20,7 +20,7 @@ import torch
 
 from alpa_torch.capture import capture
 from alpa_torch.core.cluster import Cluster
-from alpa_torch.optim import FunctionalOptimizer
+from alpa_torch.optim import OptimizerSet
 from alpa_torch.zoo import ZOO, make_batch, make_optimizer, train_step
 from intra_ilp.cost_model import MeshCost
 from intra_ilp.stage import solve_stage
@@ -59,7 +59,7 @@ def run_case(name, cluster, mesh, opt="adamw", steps=3, force=None, probe=None, 
     eager_opt, opt2 = make_optimizer(opt, eager), make_optimizer(opt, model)
     graph = capture(train_step, model, opt2, batch_fn(0))
     sharding = solve_stage(graph, mesh, force=force)
-    functional = FunctionalOptimizer(opt2, {id(p): n for n, p in model.named_parameters()})
+    functional = OptimizerSet((opt2,), {id(p): n for n, p in model.named_parameters()})
     with WorkerGroup.start(cluster) as group:
         engine = Engine(group, graph, sharding)
         engine.load_state(_state(model, functional))
@@ -68,7 +68,7 @@ def run_case(name, cluster, mesh, opt="adamw", steps=3, force=None, probe=None, 
         for i in range(steps):
             batch = batch_fn(i)
             expected = float(train_step(eager, eager_opt, batch).detach())
-            got = engine.step({f"batch.{j}": t.numpy() for j, t in enumerate(batch)}, functional.host_scalars(i + 1))
+            got = engine.step({f"batch.{j}": t.numpy() for j, t in enumerate(batch)}, functional.host_scalars())
             assert got == pytest.approx(expected, abs=ATOL), f"step {i}: loss {got} != eager {expected}"
         if probe is not None:
             probe["result"] = group.call_all(probe["read"])
@@ -182,14 +182,16 @@ def test_vocab_sharded_embedding_on_the_world_mesh_matches_eager():
     lookup = next(n.name for n in graph.gm.graph.nodes
                   if n.target is torch.ops.aten.embedding.default and n.args[0].name == table)
     force = {s.name: "RR" for s in graph.inputs if s.kind == "batch"}
-    force |= {s.name: "S(0)R" for s in graph.inputs if s.name.startswith("wte.weight")}
+    force |= {s.name: "S(0)R" for s in graph.inputs if s.name.startswith("wte.weight") and s.shape}  # not .step
     force[lookup] = "PR"
     sharding = run_case("gpt", cluster, realistic(cluster, (2, 1)), force=force)
     assert str(sharding.value_specs[lookup]) == "PR" and str(sharding.input_specs[lookup][0]) == "S(0)R"
 
 
 def _force(graph, batch_spec, state_spec="RR"):
-    return {s.name: (batch_spec if s.kind == "batch" and s.shape else state_spec)
+    """Batch leaves as ``batch_spec``, parameters and optimizer state as ``state_spec`` (a 0-dim one,
+    torch.optim's step count, replicated)."""
+    return {s.name: (batch_spec if s.kind == "batch" and s.shape else state_spec if s.shape else "RR")
             for s in graph.inputs if s.kind in ("batch", "param", "opt_state")}
 
 

@@ -276,7 +276,7 @@ def test_a_mean_over_padded_labels_over_a_sharded_batch():
     """DTensor's own rule averages the shards' means (``Partial('avg')``); the captured sum over
     the whole batch's count (``alpa_torch/masked_mean.py``) is exact on a data-parallel plan."""
     from alpa_torch.capture import capture
-    from alpa_torch.optim import FunctionalOptimizer
+    from alpa_torch.optim import OptimizerSet
     from intra_ilp.cost_model import MeshCost
     from intra_ilp.stage import solve_stage
     from runtime.engine import Engine
@@ -290,7 +290,7 @@ def test_a_mean_over_padded_labels_over_a_sharded_batch():
     force = {s.name: ("RS(0)" if s.kind == "batch" and s.shape else "RR") for s in graph.inputs
              if s.kind in ("batch", "param", "opt_state")}
     sharding = solve_stage(graph, MeshCost.from_cluster(CLUSTER, (1, 2), (1, 2)), force=force)
-    functional = FunctionalOptimizer(opt, {id(p): n for n, p in model.named_parameters()})
+    functional = OptimizerSet((opt,), {id(p): n for n, p in model.named_parameters()})
     state = {**dict(model.named_parameters()), **{f"{n}.{k}": v for n, p in model.named_parameters()
                                                   for k, v in functional.initial_state(n, p).items()}}
     with WorkerGroup.start(CLUSTER) as group:
@@ -300,5 +300,5 @@ def test_a_mean_over_padded_labels_over_a_sharded_batch():
             batch = _padded(i)
             leaves = {"batch.0": batch[0], "batch.1": batch[1]}
             want = float(plain(eager, eager_opt, batch).detach())
-            got = engine.step(to_wire_dict(leaves), functional.host_scalars(i + 1))
+            got = engine.step(to_wire_dict(leaves), functional.host_scalars())
             assert got == pytest.approx(want, abs=ATOL), f"step {i}: {got} != eager {want}"

@@ -173,8 +173,9 @@ def test_a_candidate_that_cannot_fit_where_the_first_one_did_not_is_not_measured
                         lambda: [(2 * plan.memory_budget_bytes, 0.0)])
     assert kept is cands[0] and uses == [True] and cands[1].measured_s is None
     assert "cannot fit, not measured" in cands[1].note
-    elsewhere = dataclasses.replace(bigger, stages=tuple(dataclasses.replace(st, device_ids=st.device_ids[::-1])
-                                                         for st in bigger.stages))
+    moved = {d: (d + 1) % cluster.num_devices for d in range(cluster.num_devices)}  # every device id moves
+    elsewhere = dataclasses.replace(bigger, stages=tuple(
+        dataclasses.replace(st, device_ids=tuple(moved[d] for d in st.device_ids)) for st in bigger.stages))
     cands = [tuner.Candidate("search", plan), tuner.Candidate("data parallel", elsewhere)]
     tuner.select(cands, lambda p, fresh: None, lambda: None, lambda p: [],
                  lambda: [(2 * plan.memory_budget_bytes, 0.0)])
@@ -336,7 +337,7 @@ def test_a_new_deployment_frees_the_previous_ones_tensors():
     collection not run in between (as on the wide GPT's tuning, where each worker kept the
     discarded candidate's 91 MB of state for the whole run), the new deployment still frees it."""
     from alpa_torch.capture import capture
-    from alpa_torch.optim import FunctionalOptimizer
+    from alpa_torch.optim import OptimizerSet
     from intra_ilp.cost_model import MeshCost
     from intra_ilp.stage import solve_stage
     from runtime.engine import Engine
@@ -348,14 +349,14 @@ def test_a_new_deployment_frees_the_previous_ones_tensors():
     graph = capture(train_step, model, opt, make_batch("gpt", 8, seed=0))
     cluster = Cluster.local(1, 2)
     sharding = solve_stage(graph, MeshCost.from_cluster(cluster, (1, 2), (1, 2)), force=_force(graph, "RS(0)"))
-    functional = FunctionalOptimizer(opt, {id(p): n for n, p in model.named_parameters()})
+    functional = OptimizerSet((opt,), {id(p): n for n, p in model.named_parameters()})
     batch = {f"batch.{j}": t.numpy() for j, t in enumerate(make_batch("gpt", 8, seed=0))}
     with WorkerGroup.start(cluster) as group:
         group.call_all(_disable_automatic_collection)
         for _ in range(2):
             engine = Engine(group, graph, sharding)
             engine.load_state(_state(model, functional))
-            engine.step(batch, functional.host_scalars(1))
+            engine.step(batch, functional.host_scalars())
         assert group.call_all(_tensor_bytes_only_collecting_frees) == [0, 0]
         held = engine.memory()  # what the tuner holds each candidate to (device_memory.py)
         assert len(held) == 2 and all(peak > left > 0 for peak, left in held), held

@@ -388,6 +388,11 @@ class Cluster:
         """``collective_beta_scale`` for ``collective`` (any spelling of a name in ``COLLECTIVES``), 1.0 if unset."""
         return self.collective_beta_scale.get(_canonical_collective(collective), 1.0)
     @property
+    def device_type(self) -> str:
+        """The torch device type of its devices: 'cuda' on NCCL clusters, 'cpu' on gloo ones."""
+        return "cuda" if self.backend == "nccl" else "cpu"
+
+    @property
     def num_devices(self) -> int:
         """N × M."""
         return self.num_hosts * self.devices_per_host
@@ -471,7 +476,7 @@ class Cluster:
     def from_yaml(cls, path: str | os.PathLike[str]) -> Cluster:
         """Load a YAML cluster description (same keys as ``from_dict``; 25e9 reads as a number)."""
         try:
-            data = yaml.load(Path(path).read_text(), Loader=_YamlLoader)  # noqa: S506 (a SafeLoader)
+            data = yaml.load(Path(path).read_text(), Loader=_YamlLoader)  # a SafeLoader
         except yaml.YAMLError as exc:
             raise ClusterSpecError(f"{str(path)!r} is not valid YAML ({exc}). Fix: check the syntax.") from exc
         return cls.from_dict(data)

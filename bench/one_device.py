@@ -1,0 +1,170 @@
+"""One device: ``parallelize`` against eager PyTorch and ``torch.compile`` on the same training step.
+
+Usage (from the repository root; about 20 minutes with compiling, ``--systems eager,parallelize``
+about 5)::
+
+    python bench/one_device.py                                  # every workload, system and T
+    python bench/one_device.py --workloads gpt --lengths 4096 --systems eager,parallelize
+
+Each (workload, sequence length, system) trains in a process of its own, started fresh
+(``--worker``), so no run inherits another's memory or compiled code:
+
+- workloads: ``gpt``, the zoo's GPT with ``scaled_dot_product_attention`` (2 layers, width
+  128, 4 heads, vocabulary 1024), and ``llama``, a Hugging Face ``LlamaForCausalLM`` (2
+  layers, hidden 128, 4 heads, 2 key/value heads, MLP 256, vocabulary 1024, its default
+  attention), both at batch 2, AdamW, float32;
+- systems: ``eager`` (the step as written), ``compile`` (``torch.compile(train_step)``, as
+  PyTorch's docs compile a training step) and ``parallelize`` (``parallelize(train_step,
+  Cluster.local(1, 1))`` with default options: one worker process, its plan found by itself);
+  every process uses as many torch threads as the ``parallelize`` worker gets (one device's
+  share of this machine's cores).
+
+One JSON line per run: the median of ``--steps`` timed steps after ``--warmup`` untimed
+ones (the driver's wall clock per call; for ``parallelize``, its call returns when the loss
+is ready, and the next call waits for the rest, so the median is the step), the first call's
+time (capturing, planning or compiling included) and the peak resident memory of the process
+that trains (``VmHWM``; for ``parallelize``, its worker's). A summary line per workload and T
+gives ``parallelize / eager`` and ``parallelize / compile`` for step and peak.
+
+Targets (issue: attention stays one fused operator): at T = 4096, ``parallelize``'s peak at
+most 1.15x eager's and its step at most 1.05x eager's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from _common import max_rss_mb
+from _plans import machine_info
+
+WORKLOADS = ("gpt", "llama")
+SYSTEMS = ("eager", "compile", "parallelize")
+BATCH, VOCAB = 2, 1024
+
+
+def _build(workload: str, length: int):
+    import torch
+
+    torch.manual_seed(0)
+    if workload == "gpt":
+        from alpa_torch.zoo import GPT, GPTConfig, train_step
+
+        model = GPT(GPTConfig(vocab_size=VOCAB, block_size=length, n_layer=2, n_head=4, n_embd=128,
+                              attention="sdpa"))
+        tokens = torch.randint(0, VOCAB, (BATCH, length + 1))
+        return model.train(), (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()), train_step
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from alpa_torch.zoo_hf import hf_train_step
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=length)
+    model = LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, VOCAB, (BATCH, length))
+    return model, {"input_ids": ids, "labels": ids}, hf_train_step
+
+
+def worker(system: str, workload: str, length: int, steps: int, warmup: int, threads: int) -> dict:
+    """One run in this process (``--worker``): the JSON line of the module docstring."""
+    import torch
+
+    torch.set_num_threads(threads)
+    model, batch, step_fn = _build(workload, length)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    peak = max_rss_mb
+    if system == "compile":
+        step_fn = torch.compile(step_fn)
+    elif system == "parallelize":
+        from alpa_torch import Cluster, parallelize
+
+        step_fn = parallelize(step_fn, Cluster.local(1, 1))
+
+        def peak():  # the worker's peak: the process that trains
+            return step_fn.group.call_all(_worker_peak_mb)[0]
+    times = []
+    for _ in range(warmup + steps):
+        t0 = time.perf_counter()
+        float(step_fn(model, optimizer, batch))
+        times.append(time.perf_counter() - t0)
+    row = {"bench": "one_device", "system": system, "workload": workload, "seq_len": length, "batch": BATCH,
+           "threads": threads, "first_call_s": round(times[0], 2),
+           "step_median_ms": round(1e3 * statistics.median(times[warmup:]), 1), "peak_mb": round(peak(), 1)}
+    if system == "parallelize":
+        row["plan"] = step_fn.plan.table().splitlines()[-3] if step_fn.plan else None
+        step_fn.shutdown()
+    return row
+
+
+def _worker_peak_mb(state) -> float:
+    return max_rss_mb()
+
+
+def _threads() -> int:
+    """The torch threads a ``parallelize`` worker of ``Cluster.local(1, 1)`` gets on this machine."""
+    from alpa_torch import Cluster
+
+    return Cluster.local(1, 1).threads_per_device
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--lengths", default="512,2048,4096")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", metavar="FILE", help="also append the JSON lines to FILE")
+    ap.add_argument("--worker", nargs=4, metavar=("SYSTEM", "WORKLOAD", "T", "THREADS"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        system, workload, length, threads = args.worker
+        print(json.dumps(worker(system, workload, int(length), args.steps, args.warmup, int(threads))), flush=True)
+        return 0
+    threads, info = _threads(), machine_info()
+    for workload in args.workloads.split(","):
+        for length in map(int, args.lengths.split(",")):
+            rows = {}
+            for system in args.systems.split(","):
+                done = subprocess.run([sys.executable, __file__, "--worker", system, workload, str(length),
+                                       str(threads), "--steps", str(args.steps), "--warmup", str(args.warmup)],
+                                      capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+                row = json.loads(lines[-1]) if lines else {"bench": "one_device", "system": system,
+                                                           "workload": workload, "seq_len": length,
+                                                           "error": done.stderr[-1500:]}
+                rows[system] = row = {**row, **info}
+                _emit(row, args.out)
+            _emit(_summary(workload, length, rows, info), args.out)
+    return 0
+
+
+def _summary(workload: str, length: int, rows: dict, info: dict) -> dict:
+    out = {"bench": "one_device", "summary": True, "workload": workload, "seq_len": length, **info}
+    par = rows.get("parallelize", {})
+    for peer in ("eager", "compile"):
+        other = rows.get(peer, {})
+        if "step_median_ms" in par and "step_median_ms" in other:
+            out[f"step_over_{peer}"] = round(par["step_median_ms"] / other["step_median_ms"], 3)
+            out[f"peak_over_{peer}"] = round(par["peak_mb"] / other["peak_mb"], 3)
+    if length == 4096 and "step_over_eager" in out:
+        out["target"] = "peak <= 1.15x eager, step <= 1.05x eager"
+        out["met"] = out["peak_over_eager"] <= 1.15 and out["step_over_eager"] <= 1.05
+    return out
+
+
+def _emit(row: dict, path: str | None) -> None:
+    line = json.dumps(row)
+    print(line, flush=True)
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""Every ``torch.optim`` optimizer trains through ``parallelize`` as it trains eagerly (within 1e-5).
+
+Losses, parameters and, after ``sync``, the optimizer's state are compared over 3 steps.
+The optimizers a red team tried first (Muon, Adafactor, centered RMSprop with momentum,
+Adagrad, NAdam, RAdam with decoupled decay) run on ``Cluster.local(1, 2)`` in the default
+suite; every optimizer on 1x2 and 2x2, with its state sharded on a forced ZeRO-like plan,
+and Muon on a pipeline, are slow tests (CI runs them). ``test_optim.py`` checks the traced
+maths itself on one device.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from alpa_torch import Cluster, parallelize
+
+from .test_optim import OPTIMIZERS
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+ATOL = 1e-5
+RED_TEAM = ["Muon", "Adafactor", "RMSprop-centered-momentum", "Adagrad", "NAdam-decoupled", "RAdam-decoupled"]
+
+
+def train_step(model, optimizer, batch):
+    x, y = batch
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 8))
+
+
+def _batches(n: int):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(8, 16, generator=g), torch.randint(0, 8, (8,), generator=g)) for _ in range(n)]
+
+
+def _state(opt) -> dict:
+    return {f"{i}.{k}": v for i, st in opt.state_dict()["state"].items() for k, v in st.items()}
+
+
+def run(kind: str, cluster, **options):
+    eager = _net()
+    model = copy.deepcopy(eager)
+    eager_opt, opt = OPTIMIZERS[kind](eager), OPTIMIZERS[kind](model)
+    step = parallelize(train_step, cluster, **options)
+    try:
+        for i, b in enumerate(_batches(3)):
+            want = float(train_step(eager, eager_opt, b).detach())
+            assert float(step(model, opt, b)) == pytest.approx(want, abs=ATOL), f"{kind} step {i}"
+        step.sync(model, opt)
+    finally:
+        step.shutdown()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, atol=ATOL, rtol=0, msg=f"{kind} {name}")
+    mine, theirs = _state(opt), _state(eager_opt)
+    assert mine.keys() == theirs.keys(), kind
+    for k in theirs:
+        torch.testing.assert_close(mine[k], theirs[k], atol=ATOL, rtol=1e-5, msg=f"{kind} state {k}")
+    return step
+
+
+@pytest.mark.parametrize("kind", RED_TEAM)
+def test_red_team_optimizers_equal_eager_on_1x2(kind):
+    run(kind, Cluster.local(1, 2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", [k for k in OPTIMIZERS if k not in RED_TEAM])
+def test_every_optimizer_equals_eager_on_1x2(kind):
+    run(kind, Cluster.local(1, 2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+def test_every_optimizer_equals_eager_on_2x2(kind):
+    run(kind, Cluster.local(2, 2))
+
+
+@pytest.mark.slow
+def test_muon_on_a_pipeline():
+    step = run("Muon", Cluster.local(1, 2), num_stages=2, num_microbatches=2)
+    assert len(step.plan.stages) == 2
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k != "Adafactor" else k
+                                  for k in OPTIMIZERS])
+def test_every_optimizer_with_its_state_sharded(kind):
+    """A ZeRO-like plan forced on 1x2: parameters replicated, every optimizer state tensor whose first
+    dim splits in two sharded along it; the workers' steps equal eager's."""
+    from alpa_torch.capture import capture
+    from alpa_torch.optim import OptimizerSet
+    from intra_ilp.cost_model import MeshCost
+    from intra_ilp.stage import solve_stage
+    from runtime.engine import Engine
+    from runtime.group import WorkerGroup
+
+    eager = _net()
+    model = copy.deepcopy(eager)
+    eager_opt, opt = OPTIMIZERS[kind](eager), OPTIMIZERS[kind](model)
+    batches = _batches(3)
+    graph = capture(train_step, model, opt, batches[0])
+    force = {s.name: ("RS(0)" if s.kind == "opt_state" and s.shape and s.shape[0] % 2 == 0 else "RR")
+             for s in graph.inputs if s.kind in ("param", "opt_state")}
+    assert any(v == "RS(0)" for v in force.values()), "some state is sharded"
+    cluster = Cluster.local(1, 2)
+    sharding = solve_stage(graph, MeshCost.from_cluster(cluster, (1, 2), (1, 2)), force=force)
+    assert all(str(sharding.value_specs[s.node]) == force[s.name] for s in graph.inputs if s.name in force)
+    functional = OptimizerSet((opt,), {id(p): n for n, p in model.named_parameters()})
+    values = {n: p.detach().numpy() for n, p in model.named_parameters()}
+    params = dict(model.named_parameters())
+    for n in functional.names:
+        values |= {f"{n}.{k}": v.numpy() for k, v in functional.initial_state(n, params[n]).items()}
+    with WorkerGroup.start(cluster) as group:
+        engine = Engine(group, graph, sharding)
+        engine.load_state(values)
+        for i, b in enumerate(batches):
+            want = float(train_step(eager, eager_opt, b).detach())
+            got = engine.step({f"batch.{j}": t.numpy() for j, t in enumerate(b)}, functional.host_scalars())
+            assert got == pytest.approx(want, abs=ATOL), f"{kind} step {i}"
+        final = engine.gather_state()
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(torch.from_numpy(final[name].copy()), p.detach(), atol=ATOL, rtol=0, msg=name)
+    eager_params = dict(eager.named_parameters())
+    for n in functional.names:
+        for k in functional.state_names(n):
+            torch.testing.assert_close(torch.from_numpy(final[f"{n}.{k}"].copy()), eager_opt.state[eager_params[n]][k],
+                                       atol=ATOL, rtol=1e-5, msg=f"{kind} {n}.{k}")
+
+
+def test_two_optimizers_in_one_parallel_step():
+    """Muon on the matrices and AdamW on the rest, as Muon's users pair them, on 1x2."""
+    def make(m):
+        return (torch.optim.Muon([p for p in m.parameters() if p.dim() == 2], lr=0.02),
+                torch.optim.AdamW([p for p in m.parameters() if p.dim() != 2], lr=0.01))
+
+    def step_fn(model, optimizers, batch):
+        for o in optimizers:
+            o.zero_grad()
+        loss = F.cross_entropy(model(batch[0]), batch[1])
+        loss.backward()
+        for o in optimizers:
+            o.step()
+        return loss
+
+    eager = _net()
+    model = copy.deepcopy(eager)
+    eager_opts, opts = make(eager), make(model)
+    step = parallelize(step_fn, Cluster.local(1, 2))
+    try:
+        for b in _batches(3):
+            want = float(step_fn(eager, eager_opts, b).detach())
+            assert float(step(model, opts, b)) == pytest.approx(want, abs=ATOL)
+    finally:
+        step.shutdown()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, atol=ATOL, rtol=0)
+    for mine, theirs in zip(opts, eager_opts):
+        assert _state(mine).keys() == _state(theirs).keys()
+        for k, v in _state(theirs).items():
+            torch.testing.assert_close(_state(mine)[k], v, atol=ATOL, rtol=1e-5, msg=k)
+
+
+def test_adafactor_state_checkpointed_and_loaded_into_a_plain_optimizer(tmp_path):
+    """Adafactor's factored moments (a row and a column vector per matrix) go into a checkpoint as
+    any state does, and load into a plain model and optimizer that continue as eager's."""
+    from alpa_torch import load_into
+
+    eager = _net()
+    model = copy.deepcopy(eager)
+    eager_opt, opt = OPTIMIZERS["Adafactor"](eager), OPTIMIZERS["Adafactor"](model)
+    step = parallelize(train_step, Cluster.local(1, 2))
+    try:
+        for b in _batches(2):
+            train_step(eager, eager_opt, b)
+            step(model, opt, b)
+        step.save(str(tmp_path / "ckpt"))
+    finally:
+        step.shutdown()
+    fresh = _net()
+    fresh_opt = OPTIMIZERS["Adafactor"](fresh)
+    assert load_into(fresh, fresh_opt, str(tmp_path / "ckpt")) == 2
+    theirs = _state(eager_opt)
+    assert _state(fresh_opt).keys() == theirs.keys() and any(k.endswith("row_var") for k in theirs)
+    b = _batches(3)[2]
+    train_step(eager, eager_opt, b)
+    train_step(fresh, fresh_opt, b)
+    for p, q in zip(fresh.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, atol=ATOL, rtol=0)
