@@ -144,14 +144,13 @@ def test_rules_offer_replicated_batch_and_heads_on_every_axis():
         assert spec in outputs, (spec, sorted(outputs))
 
 
-def _forced_run(cluster, mesh_shape, spec, make_model, batches, mask=None):
+def _forced_run(cluster, mesh_shape, spec, make_model, batches):
     """The GPT trained on a plan whose attention operators (forward and backward) are forced to
     ``spec`` on ``mesh_shape``, against eager, 3 steps."""
-    from alpa_torch.optim import OptimizerSet
     from intra_ilp.cost_model import MeshCost
     from intra_ilp.stage import solve_stage
-    from runtime.engine import Engine
-    from runtime.group import WorkerGroup
+
+    from .test_optimizers_parallel import engine_against_eager
 
     eager = make_model()
     model = copy.deepcopy(eager)
@@ -164,21 +163,7 @@ def _forced_run(cluster, mesh_shape, spec, make_model, batches, mask=None):
     sharding = solve_stage(graph, MeshCost.from_cluster(cluster, (cluster.num_hosts, cluster.devices_per_host),
                                                        mesh_shape), force=force)
     assert all(str(sharding.value_specs[n]) == spec for n in attn if n in sharding.value_specs)
-    functional = OptimizerSet((opt,), {id(p): n for n, p in model.named_parameters()})
-    params = dict(model.named_parameters())
-    values = {n: p.detach().numpy() for n, p in params.items()} | {n: b.numpy() for n, b in model.named_buffers()}
-    for n in functional.names:
-        values |= {f"{n}.{k}": v.numpy() for k, v in functional.initial_state(n, params[n]).items()}
-    with WorkerGroup.start(cluster) as group:
-        engine = Engine(group, graph, sharding)
-        engine.load_state(values)
-        for i, b in enumerate(batches):
-            want = float(train_step(eager, eager_opt, b).detach())
-            got = engine.step({f"batch.{j}": t.numpy() for j, t in enumerate(b)}, functional.host_scalars())
-            assert got == pytest.approx(want, abs=ATOL), f"{spec} step {i}"
-        final = engine.gather_state()
-    for name, p in eager.named_parameters():
-        torch.testing.assert_close(torch.from_numpy(final[name].copy()), p.detach(), atol=ATOL, rtol=0, msg=name)
+    engine_against_eager(cluster, graph, sharding, train_step, model, opt, eager, eager_opt, batches, spec)
 
 
 class GQA(torch.nn.Module):

@@ -18,26 +18,43 @@ import torch.nn.functional as F
 
 from alpa_torch import Cluster, parallelize
 
-from .test_optim import OPTIMIZERS
+from .test_optim import OPTIMIZERS, train_step
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 ATOL = 1e-5
 RED_TEAM = ["Muon", "Adafactor", "RMSprop-centered-momentum", "Adagrad", "NAdam-decoupled", "RAdam-decoupled"]
 
 
-def train_step(model, optimizer, batch):
-    x, y = batch
-    optimizer.zero_grad()
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optimizer.step()
-    return loss
-
-
 def _net():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
                                torch.nn.Linear(32, 8))
+
+
+def engine_against_eager(cluster, graph, sharding, step_fn, model, opt, eager, eager_opt, batches, label):
+    """Train ``graph`` (``step_fn`` captured) on ``sharding`` (the runtime's Engine on new workers of
+    ``cluster``) beside eager training of ``eager``: losses every step and the final parameters within ``ATOL``.
+    Returns the workers' final state (name -> array) and the step's ``OptimizerSet``."""
+    from alpa_torch.optim import OptimizerSet
+    from runtime.engine import Engine
+    from runtime.group import WorkerGroup
+
+    functional = OptimizerSet((opt,), {id(p): n for n, p in model.named_parameters()})
+    params = dict(model.named_parameters())
+    values = {n: p.detach().numpy() for n, p in params.items()} | {n: b.numpy() for n, b in model.named_buffers()}
+    for n in functional.names:
+        values |= {f"{n}.{k}": v.numpy() for k, v in functional.initial_state(n, params[n]).items()}
+    with WorkerGroup.start(cluster) as group:
+        engine = Engine(group, graph, sharding)
+        engine.load_state(values)
+        for i, b in enumerate(batches):
+            want = float(step_fn(eager, eager_opt, b).detach())
+            got = engine.step({f"batch.{j}": t.numpy() for j, t in enumerate(b)}, functional.host_scalars())
+            assert got == pytest.approx(want, abs=ATOL), f"{label} step {i}"
+        final = engine.gather_state()
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(torch.from_numpy(final[name].copy()), p.detach(), atol=ATOL, rtol=0, msg=name)
+    return final, functional
 
 
 def _batches(n: int):
@@ -94,16 +111,13 @@ def test_muon_on_a_pipeline():
 
 
 @pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k != "Adafactor" else k
-                                  for k in OPTIMIZERS])
+                                  for k in OPTIMIZERS if k != "SGD"])  # plain SGD keeps no state
 def test_every_optimizer_with_its_state_sharded(kind):
     """A ZeRO-like plan forced on 1x2: parameters replicated, every optimizer state tensor whose first
     dim splits in two sharded along it; the workers' steps equal eager's."""
     from alpa_torch.capture import capture
-    from alpa_torch.optim import OptimizerSet
     from intra_ilp.cost_model import MeshCost
     from intra_ilp.stage import solve_stage
-    from runtime.engine import Engine
-    from runtime.group import WorkerGroup
 
     eager = _net()
     model = copy.deepcopy(eager)
@@ -116,26 +130,34 @@ def test_every_optimizer_with_its_state_sharded(kind):
     cluster = Cluster.local(1, 2)
     sharding = solve_stage(graph, MeshCost.from_cluster(cluster, (1, 2), (1, 2)), force=force)
     assert all(str(sharding.value_specs[s.node]) == force[s.name] for s in graph.inputs if s.name in force)
-    functional = OptimizerSet((opt,), {id(p): n for n, p in model.named_parameters()})
-    values = {n: p.detach().numpy() for n, p in model.named_parameters()}
-    params = dict(model.named_parameters())
-    for n in functional.names:
-        values |= {f"{n}.{k}": v.numpy() for k, v in functional.initial_state(n, params[n]).items()}
-    with WorkerGroup.start(cluster) as group:
-        engine = Engine(group, graph, sharding)
-        engine.load_state(values)
-        for i, b in enumerate(batches):
-            want = float(train_step(eager, eager_opt, b).detach())
-            got = engine.step({f"batch.{j}": t.numpy() for j, t in enumerate(b)}, functional.host_scalars())
-            assert got == pytest.approx(want, abs=ATOL), f"{kind} step {i}"
-        final = engine.gather_state()
-    for name, p in eager.named_parameters():
-        torch.testing.assert_close(torch.from_numpy(final[name].copy()), p.detach(), atol=ATOL, rtol=0, msg=name)
-    eager_params = dict(eager.named_parameters())
+    exact = _net().double()  # eager in float64: how far float32 rounding alone moves each state entry
+    exact_opt = OPTIMIZERS[kind](exact)
+    for x, y in batches:
+        train_step(exact, exact_opt, (x.double(), y))
+    final, functional = engine_against_eager(cluster, graph, sharding, train_step, model, opt, eager, eager_opt,
+                                             batches, kind)
+    eager_params, exact_params = dict(eager.named_parameters()), dict(exact.named_parameters())
     for n in functional.names:
         for k in functional.state_names(n):
-            torch.testing.assert_close(torch.from_numpy(final[f"{n}.{k}"].copy()), eager_opt.state[eager_params[n]][k],
-                                       atol=ATOL, rtol=1e-5, msg=f"{kind} {n}.{k}")
+            got, want = torch.from_numpy(final[f"{n}.{k}"].copy()), eager_opt.state[eager_params[n]][k]
+            _state_close(got, want, exact_opt.state[exact_params[n]][k], f"{kind} {n}.{k}")
+
+
+def _state_close(got: torch.Tensor, want: torch.Tensor, exact: torch.Tensor, what: str) -> None:
+    """``got`` within 1e-5 of eager's ``want`` (absolute, and relative to its size), or, entry by entry,
+    no farther from the float64 run's ``exact`` than eager's own float32 entry is, doubled. The plan
+    computes a weight's gradient as two half-size matmuls (its rows split over the devices), whose
+    kernels may sum in another order than eager's one matmul (a last-bit difference); centered
+    RMSprop's sqrt(E[g^2] - E[g]^2) magnifies that where the two nearly cancel (one entry of 512:
+    2.6e-5 from eager, measured)."""
+    if want.dtype != torch.float32:  # integer or float64 state (a step count): exact
+        torch.testing.assert_close(got, want, atol=0, rtol=0, msg=what)
+        return
+    near = (got - want).abs() <= ATOL + 1e-5 * want.abs()
+    as_eager = (got.double() - exact).abs() <= 2 * (want.double() - exact).abs()
+    bad = ~(near | as_eager)
+    assert not bad.any(), (f"{what}: {int(bad.sum())} entries differ from eager by up to "
+                           f"{float((got - want).abs()[bad].max()):.3g}, farther from float64 than eager's own")
 
 
 def test_two_optimizers_in_one_parallel_step():

@@ -80,6 +80,9 @@ def _pattern(shown: str, out_dir: Path) -> re.Pattern:
     pattern = re.escape(text.removesuffix(" ...") if prefix else text)
     pattern = re.sub(r"\d+(?:\\\.\d+)?", r"[0-9.]+", pattern)
     pattern = re.sub(r"(?:\\ )+", r"\\s+", pattern)
+    # how the evaluation reads the state follows the kept plan (runtime/evaluation.py): in place on
+    # the training mesh, moved from the stages of a pipeline, or a copy of its own
+    pattern = re.sub(r"\\\((?:alias|moved|own)\\\)", r"\\((?:alias|moved|own)\\)", pattern)
     return re.compile(pattern + ("" if prefix else r"\s*$"))
 
 
