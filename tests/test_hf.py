@@ -56,6 +56,7 @@ def run_golden(name: str, opt: str = "adamw", **options):
     return plan
 
 
+@pytest.mark.slow
 def test_bert_sequence_classification_matches_eager():
     run_golden("hf_bert")
 

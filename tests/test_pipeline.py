@@ -93,9 +93,9 @@ UNEVEN = [[0, 0, [0], [1, 1]], [1, 1, [1], [1, 1]], [2, 2, [2, 3], [1, 2]]]
     "name,hosts,devices,stages,microbatches,schedule,cheap",
     [
         ("gpt", 1, 2, TWO, 2, "1f1b", False),
-        ("gpt", 2, 2, TWO_BY_DP2, 2, "gpipe", True),
-        ("gpt", 2, 2, FOUR, 4, "1f1b", False),
-        ("gpt", 2, 2, UNEVEN, 2, "1f1b", True),
+        pytest.param("gpt", 2, 2, TWO_BY_DP2, 2, "gpipe", True, marks=pytest.mark.slow),  # 12-18 s each
+        pytest.param("gpt", 2, 2, FOUR, 4, "1f1b", False, marks=pytest.mark.slow),
+        pytest.param("gpt", 2, 2, UNEVEN, 2, "1f1b", True, marks=pytest.mark.slow),
         ("mlp", 1, 2, TWO, 1, "gpipe", False),
         ("mlp", 2, 2, TWO_BY_DP2, 4, "1f1b", True),
     ],
@@ -107,7 +107,7 @@ def test_pipeline_matches_eager(name, hosts, devices, stages, microbatches, sche
 
 
 @pytest.mark.usefixtures("ray_session")
-@pytest.mark.parametrize("name", ["gpt", "mlp"])
+@pytest.mark.parametrize("name", [pytest.param("gpt", marks=pytest.mark.slow), "mlp"])
 def test_two_stages_of_pure_data_parallel(name):
     """2 stages x data parallel 2: each stage splits its microbatch over its 2 devices."""
     run_pipeline(name, 2, 2, TWO_BY_DP2, 2, "1f1b", force_dp=True)

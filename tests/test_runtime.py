@@ -95,6 +95,7 @@ def test_mlp_tensor_parallel_matches_eager():
     assert _sharded_params(sharding) > 0, "the cheap-communication mesh should shard something"
 
 
+@pytest.mark.slow
 def test_gpt_2d_mesh_matches_eager():
     sharding = run_case("gpt", Cluster.local(2, 2), cheap_comm((2, 2)))
     assert _sharded_params(sharding) > 0
@@ -104,7 +105,8 @@ def test_cnn_batchnorm_sgd_matches_eager():
     run_case("cnn", Cluster.local(1, 2), cheap_comm((1, 2)), opt="sgd")
 
 
-@pytest.mark.parametrize("name,opt", [("gpt", "adamw"), ("cnn", "sgd"), ("hf_gpt2", "adam")])
+@pytest.mark.parametrize("name,opt", [("gpt", "adamw"), pytest.param("cnn", "sgd", marks=pytest.mark.slow),
+                                      pytest.param("hf_gpt2", "adam", marks=pytest.mark.slow)])
 def test_automatic_plan_matches_eager(name, opt):
     """Whatever plan the planner picks on 2x2 devices trains exactly like eager."""
     from alpa_torch.api import parallelize
@@ -206,7 +208,7 @@ def _replay_counts(state):
             "local": sum(rp.call is not None for rp in runner.replay.values())}
 
 
-@pytest.mark.parametrize("name", ["gpt", "mlp"])
+@pytest.mark.parametrize("name", [pytest.param("gpt", marks=pytest.mark.slow), "mlp"])
 def test_pure_data_parallel_on_2x2(name):
     """Batch split 4 ways, weights and optimizer state replicated: gradients all-reduced.
     After the first step nearly every operator runs as a plain kernel on local shards
@@ -277,7 +279,7 @@ def test_local_call_follows_dtensor_rules():
                         "equal (scalar result)": False, "add_ (mutating)": False}] * 4
 
 
-@pytest.mark.parametrize("name", ["gpt", "mlp"])
+@pytest.mark.parametrize("name", [pytest.param("gpt", marks=pytest.mark.slow), "mlp"])
 def test_pure_tensor_parallel_on_2x2(name):
     """Batch replicated; with cheap collectives the ILP shards the weights 4 ways."""
     graph = _graph(name)
@@ -370,6 +372,7 @@ def test_2d_data_parallel_gradients_are_bucketed():
         assert rank["partial"] == [], rank["partial"]  # the scalars too: one all-reduce over the mesh
 
 
+@pytest.mark.slow
 def test_2d_sharded_update_stores_gathered_flat():
     """An update run on shards (2-D weights S(1)S(0), 1-D ones RS(0)) of state stored replicated:
     the new values are all-gathered in one flat collective per placements (over all 4 ranks, or

@@ -270,6 +270,7 @@ def test_tuned_step_trains_as_eager_and_its_choice_is_cached(tmp_path):
 
 
 @pytest.mark.usefixtures("ray_session")
+@pytest.mark.slow
 def test_when_no_trial_fits_as_measured_the_kept_plan_trains_as_eager_on_new_workers(tmp_path, caplog):
     """64 MiB per device: the zoo GPT's plans fit as simulated (a few MiB), but a worker process
     grows by more than that (the runtime's own memory), so every trial measures over the
