@@ -126,7 +126,7 @@ def main(argv=None) -> int:
         system, workload, length, threads = args.worker
         print(json.dumps(worker(system, workload, int(length), args.steps, args.warmup, int(threads))), flush=True)
         return 0
-    threads, info = _threads(), machine_info()
+    threads, info = _threads(), {**machine_info(), "argv": list(sys.argv[1:] if argv is None else argv)}
     for workload in args.workloads.split(","):
         for length in map(int, args.lengths.split(",")):
             rows = {}

@@ -23,15 +23,16 @@ every dropout mask is computed whole on every device, [batch, heads, seq, seq] f
 attention dropout: measured on a 2-layer BERT-large at 256 x 512 on 8x8 H100, one stage,
 0.060 s and 11.4 GiB per device with dropout, 0.022 s and 1.4 GiB without.
 
-What the captured graphs are (they are priced as captured): HF's default sdpa attention
-traces as its math form (bmm, softmax, bmm: the [batch, heads, seq, seq] scores exist, as
-without a fused FlashAttention kernel), which upcasts bf16 q, k, v to fp32 (torch's math
-attention does, for accuracy), so attention matmuls are priced at the fp32 peak (H100: 67
-against 989 TFLOP/s): in LLaMA-3-8B at 4096 tokens they are 12 % of the graph's FLOPs and
-about two thirds of its matmul time. Mixtral's experts (transformers' grouped_mm,
-which autocast leaves in fp32) are decomposed into dense masked matmuls
-(``alpa_torch/grouped_mm.py``): every expert on every routed token, 8x the top-2 expert
-FLOPs, at the fp32 rate. Both make the predicted steps slower than fused kernels would.
+What the captured graphs are (they are priced as captured): HF's default sdpa attention is
+one fused operator (``alpa_torch/core/attention_op.py``: priced by its own FLOPs at the compute
+dtype's peak, saving its output and log-sum-exp, never the [batch, heads, seq, seq] scores),
+except with attention dropout (BERT-large and GPT-2 XL as published), which capture still
+takes in the math form (``alpa_torch.tracing.FusedAttention``: the fused kernels' own dropout
+is not seeded by ``runtime/rng.py`` yet); T5's attention is written by hand and stays so. Mixtral's
+experts (transformers' grouped_mm, which autocast leaves in fp32) are decomposed into dense
+masked matmuls (``alpa_torch/grouped_mm.py``): every expert on every routed token, 8x the
+top-2 expert FLOPs, at the fp32 rate, so its predicted step is slower than grouped kernels
+would be.
 
 Keys: model, cluster, device, devices, search ('full': the stage DP over pipelines;
 'one_stage': ``pipeline=False``), seq_len, global_batch, dropout, params, graph_tflops (FLOPs of
