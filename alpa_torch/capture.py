@@ -8,14 +8,15 @@ captured on a laptop; a model built on the ``meta`` device works too):
 1. ``make_fx`` runs the user's function with the module's parameters swapped
    for traced leaves (``_reparametrize_module``). Real autograd runs, so the
    backward operators are recorded. The optimizer the step receives is a
-   stand-in whose ``step()`` applies the functional twin of the user's
-   optimizer (``alpa_torch.optim``) to the traced leaves, and each gradient is
+   stand-in whose ``step()`` runs the user's optimizer's own ``step()``,
+   functionalized (``alpa_torch.optim.OptimizerSet.update``), on the traced
+   leaves, and each gradient is
    passed through the identity marker ``alpa.grad`` when ``.backward()``
    returns, so the gradient boundary stays visible in the graph.
 2. where that graph writes into a tensor, ``functionalize`` re-traces it:
    in-place ops (BatchNorm's running statistics, ``clip_grad_norm_``'s
    scaling, ``x += y``) become pure ops whose results are graph outputs. A
-   graph without one is already functional (the functional optimizer, autograd's
+   graph without one is already functional (the functionalized update, autograd's
    gradients as values; most Hugging Face models) and is not traced again: the
    second pass was 40 % of capturing LLaMA-3-8B.
 
@@ -162,11 +163,17 @@ class _StepOptimizer:
 
     def _step(self, amp: _Amp | None) -> None:
         grads = {n: leaf.grad for n, leaf in self._leaves.items()}
-        olds = {n: {k: v.detach() for k, v in self._states[n].items()} for n in grads}  # before the update writes
+        # fp16: the values before the update, copied: the traced update writes its results back into
+        # its inputs, and where the step writes anything else (clip_grad_norm_, BatchNorm) the whole
+        # graph is functionalized again, which makes a later read of an input see the written value
+        olds, old_params = {}, {}
+        if amp is not None:
+            olds = {n: {k: v.detach().clone() for k, v in self._states[n].items()} for n in grads}
+            old_params = {n: self._leaves[n].detach().clone() for n in grads}
         params, states = self._functional.update(self._k, self._inputs, grads, self._states, self._scalars)
         if amp is not None:  # fp16: skip the update in the graph when a gradient overflowed
             found_inf = amp.found_inf if amp.found_inf is not None else torch.tensor(False)
-            params = {n: torch.where(found_inf, self._leaves[n].detach(), p) for n, p in params.items()}
+            params = {n: torch.where(found_inf, old_params[n], p) for n, p in params.items()}
             states = {n: {k: torch.where(found_inf, olds[n][k], v) for k, v in s.items()} for n, s in states.items()}
             amp.new_state = fopt.LossScaler.update(amp.state, found_inf)
         self._results.params.update(params)

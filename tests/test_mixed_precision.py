@@ -320,3 +320,37 @@ def test_fp16_loss_scaling_skips_overflow_and_matches_grad_scaler(tmp_path):
     assert load_into(fresh, fresh_opt, str(tmp_path / "ckpt")) == STEPS
     assert _max_diff(fresh.parameters(), model.parameters()) == 0
     assert float(fresh_opt.state[next(fresh.parameters())]["step"]) == STEPS - 1
+
+
+def _clipped_step(model, optimizer, batch):
+    optimizer.zero_grad()
+    loss = _scaled_loss(model, batch)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # an in-place write: the graph is functionalized again
+    optimizer.step()
+    return loss
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_fp16_overflow_is_skipped_in_a_step_that_also_clips():
+    """With another in-place write in the step (``clip_grad_norm_``), the overflowing step still
+    changes no parameter or optimizer state (the values kept for the skip are copies taken before
+    the update wrote its results back)."""
+    from alpa_torch.api import parallelize
+
+    model, _ = ZOO["gpt"]()
+    opt = make_optimizer("adamw", model, lr=LR)
+    step = parallelize(_clipped_step, cluster=Cluster.local(1, 1), precision="fp16")
+    try:
+        for i in range(3):
+            idx, targets = make_batch("gpt", 8, seed=i)
+            if i == 2:
+                before = step.state_dict()
+            step(model, opt, (idx, targets, torch.full((8,), 1e30 if i == 2 else 1.0)))
+        after = step.state_dict()
+    finally:
+        step.shutdown()
+    assert float(after["optimizer"]["amp.loss_scale"]) == 2.0**15
+    changed = [k for part in ("model", "optimizer") for k, v in before[part].items()
+               if not k.startswith("amp.") and not torch.equal(v, after[part][k])]
+    assert not changed, f"changed in a skipped step: {changed[:5]}"
