@@ -190,7 +190,11 @@ class FusedAttention(TorchFunctionMode):
         why = math_reason(self.device_type, a["query"], a["key"], a["value"], a["attn_mask"], a["dropout_p"],
                           a["is_causal"], a["scale"], a["enable_gqa"])
         if why is None:
-            return torch.ops.alpa.attention(a["query"], a["key"], a["value"], a["attn_mask"], a["dropout_p"],
+            mask = a["attn_mask"]
+            if mask is not None and mask.dtype == torch.bool:  # as eager does before its fused kernels
+                mask = torch.zeros(mask.shape, dtype=a["query"].dtype, device=mask.device).masked_fill(
+                    mask.logical_not(), float("-inf"))
+            return torch.ops.alpa.attention(a["query"], a["key"], a["value"], mask, a["dropout_p"],
                                             a["is_causal"], a["scale"], a["enable_gqa"])[0]
         if why not in self._said:
             self._said.add(why)
@@ -218,15 +222,27 @@ def math_reason(device_type: str, q, k, v, attn_mask, dropout_p: float, is_causa
     if q.dim() != 4 or k.dim() != 4:
         return f"the query has {q.dim()} dims (the fused operator takes [batch, heads, sequence, head dim])"
     if device_type != "cpu":
-        return None if q.dtype in (torch.float32, torch.float16, torch.bfloat16) else f"dtype {q.dtype}"
+        # alpa::attention calls CUDA's kernels directly, without the preparation eager's dispatcher does
+        # first (a mask made additive, expanded and padded to 16; head dims padded to 8)
+        if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return f"dtype {q.dtype}"
+        if attn_mask is not None:
+            return "a mask on CUDA (alpa-torch's fused operator takes causal or unmasked attention there)"
+        if q.shape[-1] % 8 or v.shape[-1] % 8:
+            return f"head dims {q.shape[-1]} and {v.shape[-1]} (CUDA's fused kernels want multiples of 8)"
+        if is_causal and q.shape[-2] != k.shape[-2]:
+            return "causal attention of unequal query and key lengths on CUDA"
+        return None
     # On the CPU: eager's own choice, asked of small real tensors with the inputs' dtypes, heads, head
     # dims and mask kind (sequence lengths and batch do not decide it).
     with _disable_current_modes():  # real tensors, asked outside the trace
         small = [torch.zeros((1, t.shape[1], 2, t.shape[3]), dtype=t.dtype).requires_grad_(t.requires_grad)
                  for t in (q, k, v)]
         mask = None
-        if attn_mask is not None:
-            mask = torch.zeros(tuple(1 if n == 1 else 2 for n in attn_mask.shape), dtype=attn_mask.dtype)
+        if attn_mask is not None:  # the mask's shape as it broadcasts against the small scores [1, H, 2, 2]
+            scores = (1, q.shape[1], 2, 2)[-attn_mask.dim():]
+            mask = torch.zeros(tuple(1 if n == 1 else m for n, m in zip(attn_mask.shape, scores)),
+                               dtype=attn_mask.dtype)
         choice = torch._fused_sdp_choice(*small, mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     return None if choice == SDPBackend.FLASH_ATTENTION.value else "eager's CPU kernels take the math path here"
 

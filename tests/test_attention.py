@@ -209,3 +209,41 @@ def test_attention_split_on_both_axes_equals_eager_on_2x2(spec):
     _forced_run(Cluster.local(2, 2), (2, 2), spec, _gpt, [_tokens(seed=i) for i in range(3)])
     if spec == "S(0)S(1)":
         _forced_run(Cluster.local(2, 2), (2, 2), spec, GQA, _gqa_batches())
+
+
+class WideGQA(torch.nn.Module):
+    """Causal grouped-query attention with 6 query heads and 3 key/value heads of dim 8."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.kv = torch.nn.Linear(16, 48, bias=False), torch.nn.Linear(16, 48, bias=False)
+        self.out = torch.nn.Linear(48, 8)
+
+    def loss(self, batch):
+        x, y = batch
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 6, 8).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 3, 16).transpose(1, 2).split(8, dim=-1)
+        y_ = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return F.cross_entropy(self.out(y_.transpose(1, 2).reshape(b, t, 48)).flatten(0, 1), y.flatten())
+
+
+def test_grouped_heads_split_only_where_the_key_value_heads_divide():
+    """GQA with 3 key/value heads: never split in two, where a device's query heads (3 of 6) would
+    miss their keys (DTensor itself would split 3 heads unevenly, 2 and 1); its batch still splits."""
+    from intra_ilp.strategies import node_strategies
+
+    def step(model, optimizer, batch):
+        optimizer.zero_grad()
+        loss = model.loss(batch)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    model = WideGQA()
+    graph = capture(step, model, torch.optim.AdamW(model.parameters(), lr=1e-3), _gqa_batches()[0])
+    for target in (torch.ops.alpa.attention.default, torch.ops.alpa.attention_backward.default):
+        node = next(n for n in graph.gm.graph.nodes if n.target == target)
+        specs = {str(s.outputs[0]) for s in node_strategies(node, (1, 2))}
+        assert "RS(0)" in specs and "RS(1)" not in specs, (target, sorted(specs))

@@ -10,9 +10,12 @@ device; each runs its own kernel:
 
 - CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (masks,
   causal, grouped-query attention with fewer key/value heads);
-- CUDA: flash attention where it applies (fp16 / bf16, no mask), else memory-efficient
-  attention (any float dtype, masks); key/value heads repeated for grouped-query attention
-  where the kernel has no such mode. ``lse`` is ``[B, H, Tq]`` float32 on every device
+- CUDA: flash attention where it applies (fp16 / bf16), else memory-efficient attention
+  (float32); key/value heads repeated for grouped-query attention. The capture gives CUDA
+  only unmasked or causal attention with head dims a multiple of 8 (``alpa_torch.tracing
+  .math_reason``: eager's dispatcher prepares masks and pads head dims before these kernels,
+  which this operator does not yet). A boolean mask arrives additive (0 or -inf), as eager
+  makes it. ``lse`` is ``[B, H, Tq]`` float32 on every device
   (memory-efficient attention pads it; the pad is cut off and restored).
 
 Dropout inside attention is not fused: where a step has it, eager's CPU kernels take the
@@ -21,8 +24,8 @@ math path too, and so does the capture (its random operators are seeded by
 (shape) functions, their FLOPs for the cost model (``torch.utils.flop_counter``: 4 B H Tq
 Tk D forward, causal half of it, the backward 2.5x) and their DTensor sharding rules
 (``register_rules``): replicated, split on the batch dim, or split on the heads dim (query
-and key/value heads alike: evenly, so grouped heads stay with their keys), on every axis
-of the mesh.
+and key/value heads alike; with grouped-query attention only into as many parts as divide the
+key/value heads, so every device's query heads find theirs), on every axis of the mesh.
 """
 
 from __future__ import annotations
@@ -162,22 +165,32 @@ def register_rules() -> None:
         size = shape[dim - 4 + len(shape)] if len(shape) >= 4 - dim else 1
         return [Shard(dim - 4 + len(shape)) if size > 1 else Replicate()]
 
-    def rules(op_schema, outputs: int, tensors: int, mask_index: int):
+    def rules(op_schema, outputs: int, tensors: int, mask_index: int, q_index: int):
         mask = op_schema.args_schema[mask_index]
         strategies = [[Replicate()] * outputs + [Replicate()] * tensors + ([Replicate()] if isinstance(
             mask, OpStrategy) else [])]
         for dim in (0, 1):  # the batch dim, the heads dim
             strategies.append([Shard(dim)] * (outputs + tensors) + mask_placement(mask, dim))
-        return expand_to_full_mesh_op_strategy(op_schema.get_mesh_from_args(), op_schema, strategies,
-                                               input_index=outputs)
+        mesh = op_schema.get_mesh_from_args()
+        found = expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=outputs)
+        q_heads, kv_heads = (op_schema.args_schema[i].shape[1] for i in (q_index, q_index + 1))
+        if q_heads != kv_heads:  # grouped-query: each device's query heads must find their key/value heads
+            found.strategies = [s for s in found.strategies if kv_heads % _heads_split(s.input_specs[q_index + 1],
+                                                                                        mesh) == 0]
+        return found
 
     @register_op_strategy(torch.ops.alpa.attention.default, schema_info=RuntimeSchemaInfo(4))
     def _(op_schema):
-        return rules(op_schema, outputs=2, tensors=3, mask_index=3)
+        return rules(op_schema, outputs=2, tensors=3, mask_index=3, q_index=0)
 
     @register_op_strategy(torch.ops.alpa.attention_backward.default, schema_info=RuntimeSchemaInfo(7))
     def _(op_schema):
-        return rules(op_schema, outputs=3, tensors=6, mask_index=6)
+        return rules(op_schema, outputs=3, tensors=6, mask_index=6, q_index=1)
+
+
+def _heads_split(spec, mesh) -> int:
+    """Into how many parts ``spec`` (a key's DTensor spec) splits the heads dim (dim 1)."""
+    return math.prod(mesh.size(i) for i, p in enumerate(spec.placements) if p.is_shard() and p.dim == 1)
 
 
 register_flops()
