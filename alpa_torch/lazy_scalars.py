@@ -185,8 +185,7 @@ def lazy_min(*args, **kwargs):
 
 
 def _extreme(python, torch_fn, args, kwargs):
-    values = args[0] if len(args) == 1 else args
-    values = list(values) if len(args) == 1 else list(args)
+    values = list(args[0]) if len(args) == 1 else list(args)
     device = [v for v in values if isinstance(v, LazyScalar) and v.compute is None]
     if not device or kwargs:
         return python(*args, **kwargs)

@@ -191,11 +191,6 @@ class OptimizerSet:
         """Per parameter: its state tensors (``StateEntry``); the parameters whose state the first step creates."""
 
     # ---------------------------------------------------------------- what the graph reads
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The first optimizer (the only one of most steps)."""
-        return self.optimizers[0]
-
     def state_names(self, name: str) -> tuple[str, ...]:
         """The keys of ``name``'s state tensors, as in ``optimizer.state[p]``."""
         return tuple(e.key for e in self.layout.get(name, ()))

@@ -49,8 +49,8 @@ def model_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 def train_step(model: nn.Module, optimizer, batch: Batch) -> torch.Tensor:
     """One plain single-device training step, exactly as a user writes it (``optimizer``: one, or a
-    tuple of them: Muon's users pair it with AdamW)."""
-    optimizers = optimizer if isinstance(optimizer, tuple) else (optimizer,)
+    tuple or list of them: Muon's users pair it with AdamW)."""
+    optimizers = optimizer if isinstance(optimizer, (tuple, list)) else (optimizer,)
     for opt in optimizers:
         opt.zero_grad()
     loss = model_loss(model, batch)  # forward + loss

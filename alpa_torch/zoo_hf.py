@@ -216,8 +216,8 @@ def hf_config(name: str, *, twin: bool = False, dropout: bool = True):
 
 def hf_train_step(model: nn.Module, optimizer, batch: dict) -> torch.Tensor:
     """The training step of Hugging Face's docs: the model computes its own loss from ``labels``
-    (``optimizer``: one, or a tuple of them, as Muon's users pair it with AdamW)."""
-    optimizers = optimizer if isinstance(optimizer, tuple) else (optimizer,)
+    (``optimizer``: one, or a tuple or list of them, as Muon's users pair it with AdamW)."""
+    optimizers = optimizer if isinstance(optimizer, (tuple, list)) else (optimizer,)
     for opt in optimizers:
         opt.zero_grad()
     loss = model(**batch).loss

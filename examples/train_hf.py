@@ -33,7 +33,7 @@ import torch
 
 from alpa_torch import Cluster, parallelize
 from alpa_torch.progress import PlanProgress
-from alpa_torch.zoo import build, make_batch, make_optimizer, train_step
+from alpa_torch.zoo import OPTIMIZERS, build, make_batch, make_optimizer, train_step
 
 FAMILIES = {"gpt2": "hf_gpt2", "llama": "hf_llama", "bert": "hf_bert", "bert-mlm": "hf_bert_mlm", "t5": "hf_t5"}
 
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     p.add_argument("--devices", type=int, default=2, help="virtual devices per host")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--optimizer", default="adamw", choices=("sgd", "adam", "adamw"))
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--no-pipeline", action="store_true", help="one stage on all devices")
     p.add_argument("--microbatches", type=int, help="force this many microbatches")
     p.add_argument("--check", action="store_true", help="compare with eager single-device training")

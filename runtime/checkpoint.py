@@ -51,7 +51,10 @@ from alpa_torch.core.errors import CheckpointError
 log = logging.getLogger(__name__)
 
 FORMAT = "alpa-torch-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: every optimizer state key as torch.optim holds it (Adam's ``step`` included), the optimizer a list
+where the step took several, no ``amp.step``. Version 1 (the hand-written SGD/Adam/AdamW) is refused
+by name."""
 MANIFEST = "manifest.json"
 SHARD_FILE = re.compile(r"rank(\d{1,6})\.safetensors")
 MANIFEST_KEYS = frozenset({"format", "format_version", "step", "graph_fingerprint", "plan", "tensors",
