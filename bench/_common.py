@@ -7,6 +7,8 @@ What it owns:
 - ``global_batch(cfg, step)``: the deterministic batch of step ``step`` (the
   same tokens for every runner: eager, alpa-torch and PyTorch);
 - ``max_rss_mb`` / ``current_rss_mb`` / ``median``: the measurements;
+- ``select`` / ``emit``: the benchmarks' command lines (a checked comma list of cases; one JSON
+  line per result, printed and appended to ``--out``);
 - the PyTorch baselines, each run in fresh processes started by
   ``torch.multiprocessing.spawn`` over gloo with one torch thread per rank:
   ``run_torch_ddp`` (``DistributedDataParallel``) and ``run_torch_pipeline``
@@ -25,6 +27,7 @@ steps after the warm-up ones.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import resource
@@ -322,6 +325,15 @@ def parse_measuring_args(ap, argv: list[str] | None):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     torch.set_num_threads(1)
     return args
+
+
+def emit(row: dict, out_path: str | None) -> None:
+    """Print ``row`` as one JSON line, and append it to ``out_path`` where one is given (``--out``)."""
+    line = json.dumps(row)
+    print(line, flush=True)
+    if out_path:
+        with open(out_path, "a") as f:
+            f.write(line + "\n")
 
 
 def select(ap, text: str, allowed, what: str) -> list[str]:

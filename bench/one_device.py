@@ -40,7 +40,7 @@ import subprocess
 import sys
 import time
 
-from _common import max_rss_mb
+from _common import emit, max_rss_mb
 from _plans import machine_info
 
 WORKLOADS = ("gpt", "llama")
@@ -139,8 +139,8 @@ def main(argv=None) -> int:
                                                            "workload": workload, "seq_len": length,
                                                            "error": done.stderr[-1500:]}
                 rows[system] = row = {**row, **info}
-                _emit(row, args.out)
-            _emit(_summary(workload, length, rows, info), args.out)
+                emit(row, args.out)
+            emit(_summary(workload, length, rows, info), args.out)
     return 0
 
 
@@ -156,14 +156,6 @@ def _summary(workload: str, length: int, rows: dict, info: dict) -> dict:
         out["target"] = "peak <= 1.15x eager, step <= 1.05x eager"
         out["met"] = out["peak_over_eager"] <= 1.15 and out["step_over_eager"] <= 1.05
     return out
-
-
-def _emit(row: dict, path: str | None) -> None:
-    line = json.dumps(row)
-    print(line, flush=True)
-    if path:
-        with open(path, "a") as f:
-            f.write(line + "\n")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ Usage: python bench/plan_targets.py [--cases llama3-8b-one-stage,gpt-39b,llama3-
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import resource
@@ -32,7 +31,7 @@ import subprocess
 import sys
 import time
 
-from _common import select
+from _common import emit, select
 from _plans import machine_info
 
 HF = ["alpa_torch.zoo_hf:hf_published", "--precision", "bf16"]
@@ -75,11 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", metavar="FILE", help="also append the JSON lines to FILE")
     args = ap.parse_args(argv)
     for name in select(ap, args.cases, CASES, "case"):
-        line = json.dumps(run_case(name))
-        print(line, flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(line + "\n")
+        emit(run_case(name), args.out)
     return 0
 
 

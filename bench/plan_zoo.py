@@ -53,7 +53,6 @@ Usage: python bench/plan_zoo.py [--models llama3-8b,gpt2-xl] [--clusters h100-8x
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import resource
@@ -62,7 +61,7 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only: never the network
 
-from _common import select
+from _common import emit, select
 
 from alpa_torch.capture import capture
 from alpa_torch.cli import cluster_from_args
@@ -150,14 +149,6 @@ def run_case(graph, facts: dict, model: str, cluster_name: str, search: str, pro
         out.update(status="error", error=f"{type(exc).__name__}: {exc}")
     out.update(plan_s=round(time.perf_counter() - t0, 2), plan_cpu_s=round(cpu_s() - c0, 2))
     return out
-
-
-def emit(row: dict, out_path: str | None) -> None:
-    line = json.dumps(row)
-    print(line, flush=True)
-    if out_path:
-        with open(out_path, "a") as f:
-            f.write(line + "\n")
 
 
 def run_model(name: str, clusters: list[str], searches: list[str], args, progress) -> None:
