@@ -167,22 +167,25 @@ def _forced_run(cluster, mesh_shape, spec, make_model, batches):
 
 
 class GQA(torch.nn.Module):
-    """Grouped-query attention with a padding mask: 4 query heads, 2 key/value heads."""
+    """Grouped-query attention of width 16 in: ``heads`` query heads and ``kv_heads`` key/value heads
+    of ``dim``; causal through a boolean padding-style mask (``mask``) or ``is_causal``."""
 
-    def __init__(self):
+    def __init__(self, heads: int = 4, kv_heads: int = 2, dim: int = 4, mask: bool = True):
         super().__init__()
         torch.manual_seed(0)
-        self.q, self.kv = torch.nn.Linear(16, 16, bias=False), torch.nn.Linear(16, 16, bias=False)
-        self.out = torch.nn.Linear(16, 8)
+        self.heads, self.kv_heads, self.dim, self.mask = heads, kv_heads, dim, mask
+        self.q = torch.nn.Linear(16, heads * dim, bias=False)
+        self.kv = torch.nn.Linear(16, 2 * kv_heads * dim, bias=False)
+        self.out = torch.nn.Linear(heads * dim, 8)
 
     def loss(self, batch):
         x, y = batch
         b, t, _ = x.shape
-        q = self.q(x).view(b, t, 4, 4).transpose(1, 2)
-        k, v = self.kv(x).view(b, t, 2, 8).transpose(1, 2).split(4, dim=-1)
-        keep = torch.ones(b, 1, t, t, dtype=torch.bool).tril()
-        y_ = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
-        return F.cross_entropy(self.out(y_.transpose(1, 2).reshape(b, t, 16)).flatten(0, 1), y.flatten())
+        q = self.q(x).view(b, t, self.heads, self.dim).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, self.kv_heads, 2 * self.dim).transpose(1, 2).split(self.dim, dim=-1)
+        keep = torch.ones(b, 1, t, t, dtype=torch.bool).tril() if self.mask else None
+        y_ = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, is_causal=not self.mask, enable_gqa=True)
+        return F.cross_entropy(self.out(y_.transpose(1, 2).reshape(b, t, -1)).flatten(0, 1), y.flatten())
 
 
 def _gqa_batches():
@@ -211,27 +214,10 @@ def test_attention_split_on_both_axes_equals_eager_on_2x2(spec):
         _forced_run(Cluster.local(2, 2), (2, 2), spec, GQA, _gqa_batches())
 
 
-class WideGQA(torch.nn.Module):
-    """Causal grouped-query attention with 6 query heads and 3 key/value heads of dim 8."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.q, self.kv = torch.nn.Linear(16, 48, bias=False), torch.nn.Linear(16, 48, bias=False)
-        self.out = torch.nn.Linear(48, 8)
-
-    def loss(self, batch):
-        x, y = batch
-        b, t, _ = x.shape
-        q = self.q(x).view(b, t, 6, 8).transpose(1, 2)
-        k, v = self.kv(x).view(b, t, 3, 16).transpose(1, 2).split(8, dim=-1)
-        y_ = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return F.cross_entropy(self.out(y_.transpose(1, 2).reshape(b, t, 48)).flatten(0, 1), y.flatten())
-
-
 def test_grouped_heads_split_only_where_the_key_value_heads_divide():
-    """GQA with 3 key/value heads: never split in two, where a device's query heads (3 of 6) would
-    miss their keys (DTensor itself would split 3 heads unevenly, 2 and 1); its batch still splits."""
+    """Causal GQA with 6 query and 3 key/value heads: never split in two, where a device's query
+    heads (3 of 6) would miss their keys (DTensor itself would split 3 heads unevenly, 2 and 1); its
+    batch still splits."""
     from intra_ilp.strategies import node_strategies
 
     def step(model, optimizer, batch):
@@ -241,7 +227,7 @@ def test_grouped_heads_split_only_where_the_key_value_heads_divide():
         optimizer.step()
         return loss
 
-    model = WideGQA()
+    model = GQA(heads=6, kv_heads=3, dim=8, mask=False)
     graph = capture(step, model, torch.optim.AdamW(model.parameters(), lr=1e-3), _gqa_batches()[0])
     for target in (torch.ops.alpa.attention.default, torch.ops.alpa.attention_backward.default):
         node = next(n for n in graph.gm.graph.nodes if n.target == target)

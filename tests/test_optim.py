@@ -172,28 +172,31 @@ def test_a_decision_on_a_hyper_parameter_is_a_guard():
     assert "amsgrad" in run.opts.constants_changed(1)
 
 
-def test_two_optimizers_in_one_step():
+def muon_pair(m):
     """Muon for the matrices, AdamW for the rest (how Muon's users pair them)."""
-    def make(m):
-        mats = [p for p in m.parameters() if p.dim() == 2]
-        rest = [p for p in m.parameters() if p.dim() != 2]
-        return (torch.optim.Muon(mats, lr=0.02), torch.optim.AdamW(rest, lr=0.01))
+    return (torch.optim.Muon([p for p in m.parameters() if p.dim() == 2], lr=0.02),
+            torch.optim.AdamW([p for p in m.parameters() if p.dim() != 2], lr=0.01))
 
-    def step_fn(model, optimizers, batch):
-        for o in optimizers:
-            o.zero_grad()
-        loss = F.cross_entropy(model(batch[0]), batch[1])
-        loss.backward()
-        for o in optimizers:
-            o.step()
-        return loss
 
+def two_optimizer_step(model, optimizers, batch):
+    """``train_step`` with a tuple of optimizers."""
+    for o in optimizers:
+        o.zero_grad()
+    loss = F.cross_entropy(model(batch[0]), batch[1])
+    loss.backward()
+    for o in optimizers:
+        o.step()
+    return loss
+
+
+def test_two_optimizers_in_one_step():
+    """``muon_pair``: one step that runs two optimizers."""
     eager, model = _net(), _net()
-    eager_opts, opts = make(eager), make(model)
+    eager_opts, opts = muon_pair(eager), muon_pair(model)
     batches = _batches(4)
-    run = OneDevice(model, opts, batches[0], step_fn)
+    run = OneDevice(model, opts, batches[0], two_optimizer_step)
     for b in batches:
-        assert run(b) == pytest.approx(float(step_fn(eager, eager_opts, b)), abs=ATOL)
+        assert run(b) == pytest.approx(float(two_optimizer_step(eager, eager_opts, b)), abs=ATOL)
     for name, p in eager.named_parameters():
         torch.testing.assert_close(run.values[name], p.detach(), atol=ATOL, rtol=0, msg=name)
 

@@ -14,11 +14,10 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from alpa_torch import Cluster, parallelize
 
-from .test_optim import OPTIMIZERS, train_step
+from .test_optim import OPTIMIZERS, muon_pair, train_step, two_optimizer_step
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 ATOL = 1e-5
@@ -162,26 +161,13 @@ def _state_close(got: torch.Tensor, want: torch.Tensor, exact: torch.Tensor, wha
 
 def test_two_optimizers_in_one_parallel_step():
     """Muon on the matrices and AdamW on the rest, as Muon's users pair them, on 1x2."""
-    def make(m):
-        return (torch.optim.Muon([p for p in m.parameters() if p.dim() == 2], lr=0.02),
-                torch.optim.AdamW([p for p in m.parameters() if p.dim() != 2], lr=0.01))
-
-    def step_fn(model, optimizers, batch):
-        for o in optimizers:
-            o.zero_grad()
-        loss = F.cross_entropy(model(batch[0]), batch[1])
-        loss.backward()
-        for o in optimizers:
-            o.step()
-        return loss
-
     eager = _net()
     model = copy.deepcopy(eager)
-    eager_opts, opts = make(eager), make(model)
-    step = parallelize(step_fn, Cluster.local(1, 2))
+    eager_opts, opts = muon_pair(eager), muon_pair(model)
+    step = parallelize(two_optimizer_step, Cluster.local(1, 2))
     try:
         for b in _batches(3):
-            want = float(step_fn(eager, eager_opts, b).detach())
+            want = float(two_optimizer_step(eager, eager_opts, b).detach())
             assert float(step(model, opts, b)) == pytest.approx(want, abs=ATOL)
     finally:
         step.shutdown()
