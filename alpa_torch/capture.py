@@ -53,7 +53,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from alpa_torch.core.errors import CaptureError, LossError, PlanError
 from alpa_torch.core.grad_op import GRAD_MARKER, grad_marker
-from alpa_torch.core.graph import IOSpec, OpGraph
+from alpa_torch.core.graph import IOSpec, OpGraph, optimizers_of
 from alpa_torch.core.graph_facts import build_nodes
 
 from . import masked_mean
@@ -355,11 +355,6 @@ def _check_loss(loss: Any) -> None:
             f"train_step returned a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}; "
             "it must return one floating-point scalar loss (reduce it, e.g. loss.mean())"
         )
-
-
-def optimizers_of(optimizer) -> tuple:
-    """The optimizers a step is given: one, or a tuple or list of several."""
-    return tuple(optimizer) if isinstance(optimizer, (tuple, list)) else (optimizer,)
 
 
 def capture(

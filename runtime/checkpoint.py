@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from alpa_torch.core.errors import CheckpointError
+from alpa_torch.core.graph import optimizers_of
 
 log = logging.getLogger(__name__)
 
@@ -434,7 +435,7 @@ def load_into(model: torch.nn.Module, optimizer, directory: str | os.PathLike[st
                               f"{unexpected[:5]}, other shapes {bad[:5]}. Fix: build the model the way the "
                               "saved one was built.")
     several = isinstance(manifest["optimizer"], list)
-    opts = () if optimizer is None else tuple(optimizer) if isinstance(optimizer, (tuple, list)) else (optimizer,)
+    opts = () if optimizer is None else optimizers_of(optimizer)
     saved_all = manifest["optimizer"] if several else [manifest["optimizer"]]
     names = {id(p): n for n, p in model.named_parameters()}
     for opt, saved in zip(opts, saved_all):

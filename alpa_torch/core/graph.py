@@ -36,6 +36,11 @@ OUTPUT_KINDS = ("loss", "param", "buffer", "opt_state", "output")
 PHASES = ("forward", "backward", "update")
 
 
+def optimizers_of(optimizer) -> tuple:
+    """The optimizers a step is given: one, or a tuple or list of several."""
+    return tuple(optimizer) if isinstance(optimizer, (tuple, list)) else (optimizer,)
+
+
 def source_line(node: fx.Node) -> str:
     """The user's line that made ``node`` (``File "...", line N`` from its stack trace), or ''."""
     lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").splitlines() if ln.strip().startswith("File")]
