@@ -222,12 +222,10 @@ def math_reason(device_type: str, q, k, v, attn_mask, dropout_p: float, is_causa
     if q.dim() != 4 or k.dim() != 4:
         return f"the query has {q.dim()} dims (the fused operator takes [batch, heads, sequence, head dim])"
     if device_type != "cpu":
-        # alpa::attention calls CUDA's kernels directly, without the preparation eager's dispatcher does
-        # first (a mask made additive, expanded and padded to 16; head dims padded to 8)
+        # alpa::attention calls CUDA's kernels directly: it prepares a mask as eager's dispatcher does
+        # (attention_op.efficient_bias), not head dims (eager pads them to 8)
         if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return f"dtype {q.dtype}"
-        if attn_mask is not None:
-            return "a mask on CUDA (alpa-torch's fused operator takes causal or unmasked attention there)"
         if q.shape[-1] % 8 or v.shape[-1] % 8:
             return f"head dims {q.shape[-1]} and {v.shape[-1]} (CUDA's fused kernels want multiples of 8)"
         if is_causal and q.shape[-2] != k.shape[-2]:

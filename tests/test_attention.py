@@ -117,6 +117,46 @@ def test_hugging_face_default_attention_is_fused(family):
     assert not _square_scores(graph, 12), family
 
 
+
+def test_padded_batches_planned_for_cuda_keep_attention_fused():
+    """A right-padded batch (a mask, as HF's LLaMA builds it from attention_mask) planned for a CUDA
+    cluster: memory-efficient attention takes the mask in eager, so the capture keeps it fused."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 12))
+    padding = torch.ones_like(ids)
+    padding[1, 9:] = 0
+
+    def step(model, optimizer, batch):
+        optimizer.zero_grad()
+        loss = model(input_ids=batch[0], attention_mask=batch[1], labels=batch[0]).loss
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    graph = capture(step, model, torch.optim.AdamW(model.parameters(), lr=1e-3), (ids, padding), device_type="cuda")
+    node = next(n for n in graph.gm.graph.nodes if n.target == torch.ops.alpa.attention.default)
+    assert node.args[3] is not None, "the padding mask reaches the fused operator"
+
+
+@pytest.mark.parametrize("tk", [12, 16])
+def test_a_mask_is_prepared_for_memory_efficient_attention_as_eager_prepares_it(tk):
+    """CUDA's memory-efficient kernel reads mask rows aligned to 8 elements: an unaligned mask is
+    copied into padded rows, an aligned one is used as it is; both expand to [B, H, Tq, Tk]."""
+    from alpa_torch.core.attention_op import efficient_bias
+
+    q, k = torch.zeros(2, 4, 5, 8), torch.zeros(2, 4, tk, 8)
+    mask = torch.randn(2, 1, 5, tk)
+    bias = efficient_bias(mask, q, k)
+    assert bias.shape == (2, 4, 5, tk) and torch.equal(bias, mask.expand(2, 4, 5, tk))
+    assert all(s % 8 == 0 for s in bias.stride()[:-1]) and bias.stride(-1) == 1
+    assert (bias.data_ptr() == mask.data_ptr()) == (tk % 8 == 0)
+    assert torch.equal(efficient_bias(mask[0, 0], q, k), mask[0, 0].expand(2, 4, 5, tk))
+    assert efficient_bias(None, q, k) is None
+
+
 def test_flops_are_attentions_own_and_causal_halves_them():
     from torch.utils.flop_counter import flop_registry
 

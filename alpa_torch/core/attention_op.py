@@ -10,13 +10,14 @@ device; each runs its own kernel:
 
 - CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (masks,
   causal, grouped-query attention with fewer key/value heads);
-- CUDA: flash attention where it applies (fp16 / bf16), else memory-efficient attention
-  (float32); key/value heads repeated for grouped-query attention. The capture gives CUDA
-  only unmasked or causal attention with head dims a multiple of 8 (``alpa_torch.tracing
-  .math_reason``: eager's dispatcher prepares masks and pads head dims before these kernels,
-  which this operator does not yet). A boolean mask arrives additive (0 or -inf), as eager
-  makes it. ``lse`` is ``[B, H, Tq]`` float32 on every device
-  (memory-efficient attention pads it; the pad is cut off and restored).
+- CUDA: flash attention where it applies (fp16 / bf16, no mask), else memory-efficient
+  attention (float32, or a mask); key/value heads repeated for grouped-query attention. A
+  mask is prepared as eager's dispatcher prepares it for memory-efficient attention
+  (``efficient_bias``: rows aligned to 8 elements, expanded to ``[B, H, Tq, Tk]``). Head dims
+  are not padded: the capture gives CUDA head dims a multiple of 8 only (``alpa_torch.tracing
+  .math_reason``). A boolean mask arrives additive (0 or -inf), as eager makes it. ``lse`` is
+  ``[B, H, Tq]`` float32 on every device (memory-efficient attention pads it; the pad is cut
+  off and restored).
 
 Dropout inside attention is not fused: where a step has it, eager's CPU kernels take the
 math path too, and so does the capture (its random operators are seeded by
@@ -37,6 +38,8 @@ from torch import Tensor
 
 OP = "alpa::attention"
 BACKWARD_OP = "alpa::attention_backward"
+_ALIGN = 8
+"""Memory-efficient attention reads mask rows aligned to this many elements (eager's ``preprocess_mask``)."""
 
 
 def _repeat_kv(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> tuple[Tensor, Tensor]:
@@ -51,6 +54,19 @@ def _cuda_flash(q: Tensor, attn_mask: Tensor | None, dropout_p: float) -> bool:
     return attn_mask is None and dropout_p == 0.0 and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
 
 
+def efficient_bias(attn_mask: Tensor | None, q: Tensor, k: Tensor) -> Tensor | None:
+    """``attn_mask`` as eager's ``scaled_dot_product_attention`` hands it to CUDA's memory-efficient
+    kernel: a mask whose rows are not 8-element aligned is copied into padded rows (the view keeps
+    the original length), then expanded to ``[B, H, Tq, Tk]`` without a copy."""
+    if attn_mask is None:
+        return None
+    aligned = attn_mask.stride(-1) == 1 and all(s % _ALIGN == 0 for s in attn_mask.stride()[:-1])
+    if not aligned:
+        n = attn_mask.shape[-1]
+        attn_mask = torch.nn.functional.pad(attn_mask, (0, _ALIGN - n % _ALIGN))[..., :n]
+    return attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
 @torch.library.custom_op(OP, mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float, is_causal: bool,
               scale: float | None, enable_gqa: bool) -> tuple[Tensor, Tensor]:
@@ -63,8 +79,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout
     if _cuda_flash(q, attn_mask, dropout_p):
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)
         return out, lse
-    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, True, dropout_p,
-                                                                           is_causal, scale=scale)
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, efficient_bias(attn_mask, q, k), True, dropout_p, is_causal, scale=scale)
     return out, lse[..., :q.shape[-2]].contiguous()
 
 
@@ -95,7 +111,8 @@ def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
         padded[..., :t] = lse
         empty = q.new_zeros((), dtype=torch.int64)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            grad_out, q, kr, vr, attn_mask, out, padded, empty, empty, dropout_p, [True, True, True, False],
+            grad_out, q, kr, vr, efficient_bias(attn_mask, q, kr), out, padded, empty, empty, dropout_p,
+            [True, True, True, False],
             is_causal, scale=scale)
     if kr is not k:  # grouped heads: each key/value head's gradient is the sum over its query heads
         groups = q.shape[-3] // k.shape[-3]
