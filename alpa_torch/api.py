@@ -670,9 +670,10 @@ def parallelize(train_step: Callable | Cluster | None = None, cluster: Cluster |
     run instead of searching), ``num_microbatches``, ``num_stages``,
     ``num_layers``, ``pipeline=False`` (one stage on all devices),
     ``sharding=False`` (data parallel and pipeline only), ``memory_budget_bytes``
-    per device, ``schedule`` ('1f1b' or 'gpipe'), ``progress`` (a callable
-    receiving planner messages), ``plan_cache`` (False, or a directory; default
-    ``$ALPA_TORCH_CACHE`` or ``~/.cache/alpa_torch/plans``), ``checkpointing``
+    per device, ``schedule`` (a pipeline schedule's name: '1f1b', 'gpipe' or one defined with
+    ``alpa_torch.core.schedule.PipelineSchedule``), ``progress`` (a callable receiving planner
+    messages), ``plan_cache`` (False, or a directory; default ``$ALPA_TORCH_CACHE`` or
+    ``~/.cache/alpa_torch/plans``), ``checkpointing``
     (activation checkpointing: 'auto' recomputes layers only where a stage would
     not fit otherwise or where that makes the plan faster, 'none', 'full' = every
     layer, or a number of bytes per device the stages must fit in), ``tune`` (default

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .bench_command import bench_help, cmd_bench
+from .core.schedule import DEFAULT_SCHEDULE, schedule_names
 from .workloads import (  # noqa: F401 - re-exported for users of alpa_torch.cli
     GPT3_SIZES,
     HF_FAMILIES,
@@ -143,7 +144,7 @@ def _planner_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-pipeline", action="store_true", help="one stage on the whole cluster")
     g.add_argument("--no-sharding", action="store_true", help="data parallel and pipeline only")
     g.add_argument("--memory-gib", type=_positive_float, metavar="GIB", help="memory budget per device")
-    g.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"), help="pipeline schedule")
+    g.add_argument("--schedule", default=DEFAULT_SCHEDULE, choices=schedule_names(), help="pipeline schedule")
     g.add_argument("--checkpointing", default="auto", type=_checkpointing, metavar="MODE",
                    help="activation checkpointing: auto (where a stage needs it; default), none, full, "
                         "or GIB (the memory per device the stages must fit in)")

@@ -7,8 +7,8 @@ the runner-ups reuse every ILP solution). It does not search anything new: the
 runner-ups are the same stage DP (``stage_dp.search.run_dp``) on the same priced
 stage tables (``build_tables``), re-run with forced options.
 
-Per stage k of a plan with B microbatches and step time T (Alpa eq. 2,
-``T = Σ_k t_k + (B - 1) max_k t_k``), per step:
+Per stage k of a plan with B microbatches and step time T (the schedule's
+``PipelineSchedule.step_time``: Alpa eq. 2 for GPipe and 1F1B), per step:
 
     compute_k = B · compute_s      comm_k = B · comm_s   (of which B · cross_stage_s
     bubble_k  = T - B · t_k                              crosses to other stages)
@@ -81,10 +81,10 @@ def alternatives(model, plan: ParallelPlan) -> list[dict]:
             label = (f"{k} stage(s) forced, B={b}" if k else f"{forced} stage(s) as planned, B={b}" if forced
                      else f"best at B={b}")
             _add(out, seen, tables, devices, k or forced, pipeline, sub_idx, label=label, budget=budget,
-                 schedule=schedule, bounds=(model, scale))
+                 bounds=(model, scale))
         free = build_tables(model, free_columns, b, math.inf, schedule, scale)
         _add(out, seen, free, devices, forced, pipeline, sub_idx, label=f"no memory limit, B={b}",
-             budget=budget, schedule=schedule, unlimited=True)
+             budget=budget, unlimited=True)
     out.sort(key=lambda a: (a["predicted_step_s"], a["num_stages"], a["label"]))
     return out
 
@@ -104,7 +104,7 @@ def _stage_counts(chosen: int, model, devices: int) -> list[int]:
     return sorted(k for k in ks if 1 <= k <= top)
 
 
-def _add(out, seen, tables, devices, num_stages, pipeline, sub_idx, *, label, budget, schedule, unlimited=False,
+def _add(out, seen, tables, devices, num_stages, pipeline, sub_idx, *, label, budget, unlimited=False,
          bounds=None):
     """The DP's best plan on ``tables`` under the forced options, described, into ``out`` unless
     seen; ``bounds`` = (cost model, activation scale) where ``tables`` has bound columns."""
@@ -123,19 +123,19 @@ def _add(out, seen, tables, devices, num_stages, pipeline, sub_idx, *, label, bu
     seen.add(key)
     lower = bounds is not None and bool(bound_layers(bounds[0], tables, res.stages, bounds[1]))
     out.append(describe_stages(tables, res.stages, step_time(tables, res.stages), label=label, budget=budget,
-                               schedule=schedule, unlimited=unlimited, lower_bound=lower))
+                               unlimited=unlimited, lower_bound=lower))
 
 
-def describe_stages(tables, stages, total_s: float, *, label: str, budget: float, schedule: str,
-                    unlimited: bool, lower_bound: bool = False) -> dict:
-    """A runner-up as data: summary, time parts (eq. 2) and peak memory per device;
+def describe_stages(tables, stages, total_s: float, *, label: str, budget: float, unlimited: bool,
+                    lower_bound: bool = False) -> dict:
+    """A runner-up as data: summary, time parts (the schedule's step time) and peak memory per device;
     ``lower_bound``: a stage is priced by bounds (a lean column whose ILPs the search did not
     solve, ``stage_dp.search.bound_layers``), its time and memory are then at least these."""
     b, k_total = tables.num_microbatches, len(stages)
     parts, peak, slow = [], 0.0, (-1.0, 0.0, 0.0)
     for k, (i, j, s, c) in enumerate(stages):
         cfg = tables.columns[s][c]
-        in_flight = b if schedule == "gpipe" else min(k_total - k, b)  # as search.build_plan
+        in_flight = tables.schedule.in_flight(k_total - 1 - k, b)
         peak = max(peak, float(tables.persistent_bytes[i, j, s, c] + in_flight * tables.activation_bytes[i, j, s, c]))
         t, comp = float(tables.cost_s[i, j, s, c]), float(tables.compute_s[i, j, s, c])
         slow = max(slow, (t, comp, t - comp))

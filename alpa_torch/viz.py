@@ -57,10 +57,10 @@ def stage_times(plan: ParallelPlan) -> dict[str, list[float] | float]:
 
 def predicted_timeline(plan: ParallelPlan):
     """``alpa_torch.core.schedule.simulate`` of the plan's schedule with the cost model's times."""
-    from alpa_torch.core.schedule import gpipe, one_f_one_b, simulate
+    from alpa_torch.core.schedule import schedule_named, simulate
 
-    make = {"gpipe": gpipe, "1f1b": one_f_one_b}[plan.schedule]
-    return simulate(make(len(plan.stages), plan.num_microbatches), **stage_times(plan))
+    programs = schedule_named(plan.schedule).programs(len(plan.stages), plan.num_microbatches)
+    return simulate(programs, **stage_times(plan))
 
 
 # ------------------------------------------------------------------ traces

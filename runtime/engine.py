@@ -31,7 +31,7 @@ import numpy as np
 from alpa_torch.core.errors import WorkerError
 from alpa_torch.core.microbatches import check_divisible, split_flags
 from alpa_torch.core.partition import partition
-from alpa_torch.core.schedule import compute_order
+from alpa_torch.core.schedule import DEFAULT_SCHEDULE, schedule_named
 from alpa_torch.core.sharding import StageSharding
 
 from .device_memory import keep_freed_memory, peak_bytes, release_freed
@@ -186,7 +186,7 @@ class Engine:
     None). ``combine``: how microbatches add up (``stage_dp.coupling.loss_combine``)."""
 
     def __init__(self, group: WorkerGroup, graph, stages: list[StageDeployment] | StageSharding,
-                 stage_of: dict[str, int] | None = None, num_microbatches: int = 1, schedule: str = "1f1b", *,
+                 stage_of: dict[str, int] | None = None, num_microbatches: int = 1, schedule: str = DEFAULT_SCHEDULE, *,
                  cluster=None, dst_gather: bool | None = None, step_timeout_s: float = 600.0, seed: int = 0,
                  combine: str = "mean"):
         if isinstance(stages, StageSharding):
@@ -227,7 +227,7 @@ class Engine:
             crossings=crossings, loss_node=loss_node,
             value_meta={c.value: (tuple(meta[c.value].shape), str(meta[c.value].dtype).removeprefix("torch."))
                         for c in crossings},
-            orders=compute_order(schedule, len(self.stages), self.num_microbatches))
+            orders=schedule_named(schedule).compute_order(len(self.stages), self.num_microbatches))
         setup["gather"] = self._gather_flags(crossings, setup, cluster, dst_gather)
 
     def _gather_flags(self, crossings, setup: dict, cluster, dst_gather: bool | None) -> list[bool]:

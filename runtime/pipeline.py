@@ -1,7 +1,7 @@
 """One device's part of a pipelined step: its stage's forward, backward and update.
 
-The driver gives each worker the order of its stage's compute (GPipe or 1F1B
-from ``schedule.py``: ('F', k) / ('B', k) for microbatch k). Around each
+The driver gives each worker the order of its stage's compute (the plan's
+schedule, ``alpa_torch.core.schedule``: ('F', k) / ('B', k) for microbatch k). Around each
 phase the worker receives the crossings that phase reads and sends the ones it
 produced (``comm.py``: exact tiles, tagged, non-blocking sends). Gradients
 (the ``alpa.grad`` values) are summed over microbatches and divided by their

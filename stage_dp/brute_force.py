@@ -6,7 +6,7 @@ share only input validation with the fast code and define the tie-breaking the
 fast code must reproduce:
 
 - stage DP: least (T, max t_k, sum t_k, number of stages, stages tuple), with
-  sum = t_0 + (t_1 + (... + t_{K-1})) and T = sum + (B - 1) * max;
+  sum = t_0 + (t_1 + (... + t_{K-1})) and T = sum + w * max (w: ``dp.slowest_weight``);
 - clustering: least (max C, sum C, max layer FLOPs, boundaries), with layer
   FLOPs = prefix[b] - prefix[a] over ``np.cumsum`` prefixes, at the first
   imbalance of the relaxation sequence that admits a plan.
@@ -18,7 +18,7 @@ import itertools
 
 import numpy as np
 
-from .dp import NoFeasiblePlanError, StageDPResult, validate_inputs
+from .dp import NoFeasiblePlanError, StageDPResult, slowest_weight, validate_inputs
 from .layering import LayerClustering, imbalance_schedule, layer_bounds, validate_graph
 
 
@@ -49,17 +49,17 @@ def _plans(cost, mns, sizes, num_devices, max_stages):
 
 
 def brute_force_stage_dp(stage_cost_s, max_n_succ_stages, submesh_sizes, num_devices,
-                         num_microbatches, *, max_stages=None, use_numba=None) -> StageDPResult:
+                         num_microbatches, *, schedule=None, max_stages=None, use_numba=None) -> StageDPResult:
     """Same contract as ``solve_stage_dp``, by enumeration (``use_numba`` ignored)."""
     cost, mns, sizes = validate_inputs(stage_cost_s, max_n_succ_stages, submesh_sizes,
                                        num_devices, num_microbatches, max_stages)
-    best_key = None
+    w, best_key = slowest_weight(schedule, num_microbatches), None
     for plan in _plans(cost, mns, sizes, int(num_devices), max_stages):
         sum_s = 0.0
         for stage in reversed(plan):
             sum_s = stage[4] + sum_s
         t_max_s = max(stage[4] for stage in plan)
-        total_s = sum_s + float(num_microbatches - 1) * t_max_s
+        total_s = sum_s + w * t_max_s
         key = (total_s, t_max_s, sum_s, len(plan), tuple(st[:4] for st in plan))
         if best_key is None or key < best_key:
             best_key = key

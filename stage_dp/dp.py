@@ -7,24 +7,27 @@ the submesh enumeration (``alpa_torch`` Cluster) or the schedule (runtime).
 
 Problem. ``cost[l, i, s, c]`` is the latency of one microbatch (forward and
 backward) of stage = layers l..i on submesh shape s (``size[s]`` devices) with
-config c; ``mns[l, i, s, c]`` the most stages that may follow it (1F1B keeps
-activations of up to mns+1 microbatches in flight), -1 = never. A plan is
+config c; ``mns[l, i, s, c]`` the most stages that may follow it (the schedule's
+microbatches in flight grow with the stages after a stage), -1 = never. A plan is
 stages k = 0..K-1 covering 0..L-1 in order, with
 
     sum_k size[s_k] = D,   mns_k >= K-1-k,   K <= max_stages,
-    T = sum_k t_k + (B - 1) * max_k t_k                        (Alpa eq. 2)
+    T = sum_k t_k + w * max_k t_k                (w = B - 1: Alpa eq. 2)
+
+with ``w`` the pipeline schedule's weight of its slowest stage (``max_weight``, from
+``alpa_torch.core.schedule``; B - 1 for GPipe and 1F1B).
 
 Algorithm. For a bound t, F_t[q, l, d] (``kernels.stage_dp_table``) is the
 least sum of stage costs over slicings of layers l..L-1 into q stages on
 exactly d devices with every t_k <= t (eq. 3-5); G(t) = min_q F_t[q, 0, D]
-is non-increasing in t, and min_t G(t) + (B-1) t over the distinct costs t
+is non-increasing in t, and min_t G(t) + w t over the distinct costs t
 is the optimum T*. Instead of one DP per t (Alpa's shipped code):
 
 1. one bottleneck DP (max instead of +) gives t_feas, the least feasible t;
-2. T(t) >= G_lb + (B-1) t, where G_lb is a device- and memory-free bound, so
-   only t in [t_feas, t_hi] with G_lb + (B-1) t_hi < T(t_feas) can win;
+2. T(t) >= G_lb + w t, where G_lb is a device- and memory-free bound, so
+   only t in [t_feas, t_hi] with G_lb + w t_hi < T(t_feas) can win;
 3. bisection over that window of sorted costs: an open interval (t_a, t_b)
-   with G(t_a), G(t_b) known has T(t) >= G(t_b) + (B-1) t_{a+1}; it is
+   with G(t_a), G(t_b) known has T(t) >= G(t_b) + w t_{a+1}; it is
    dropped when that bound cannot beat the best, or when G(t_a) = G(t_b)
    (G constant there, so t_a is at least as good); else its middle is solved.
 
@@ -45,6 +48,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from alpa_torch.core.schedule import DEFAULT_SCHEDULE, PipelineSchedule, schedule_named
+
 from .kernels import kernels, resolve_use_numba
 
 logger = logging.getLogger(__name__)
@@ -59,7 +64,7 @@ class StageDPResult:
     """The optimal pipeline plan found by the stage DP."""
 
     total_s: float
-    """Step latency T = sum_s + (B - 1) * t_max_s (Alpa eq. 2)."""
+    """Step latency T = sum_s + w * t_max_s (module docstring)."""
     t_max_s: float
     """Latency of the slowest stage."""
     sum_s: float
@@ -147,6 +152,11 @@ def build_candidates(cost, mns, sizes, num_devices, max_stages) -> _Candidates:
         ent_cfg=c_idx.astype(np.int64), q_max=q_max)
 
 
+def slowest_weight(schedule: PipelineSchedule | None, num_microbatches: int) -> float:
+    """w of the module docstring: ``schedule``'s (default: the default schedule's) for B microbatches."""
+    return float((schedule or schedule_named(DEFAULT_SCHEDULE)).max_weight(int(num_microbatches)))
+
+
 def _table(k, cands: _Candidates, num_devices, t_max_s, bottleneck):
     return k.stage_dp_table(float(t_max_s), bool(bottleneck), cands.q_max, int(num_devices),
                             cands.grp_start, cands.grp_end, cands.grp_size,
@@ -168,9 +178,9 @@ def _better(total_s, t_s, best):
     return best is None or total_s < best[0] or (total_s == best[0] and t_s < best[1])
 
 
-def _search_tmax(k, cands, num_devices, num_microbatches, ts, a_idx, g_lb):
-    """Bisection over sorted costs ``ts[a_idx:]`` (a_idx = t_feas); returns best state."""
-    b1 = float(num_microbatches - 1)
+def _search_tmax(k, cands, num_devices, b1, ts, a_idx, g_lb):
+    """Bisection over sorted costs ``ts[a_idx:]`` (a_idx = t_feas), ``b1`` the weight w of the
+    slowest stage; returns best state."""
     g_at = {}
 
     def evaluate(idx):
@@ -183,7 +193,7 @@ def _search_tmax(k, cands, num_devices, num_microbatches, ts, a_idx, g_lb):
 
     best = None
     evaluate(a_idx)
-    # T(t) >= g_lb + (B-1) t, non-decreasing in t: the window is a prefix.
+    # T(t) >= g_lb + w t, non-decreasing in t: the window is a prefix.
     hi_idx = max(a_idx, a_idx + int(np.count_nonzero(g_lb + b1 * ts[a_idx:] < best[0])) - 1)
     stack = []
     if hi_idx > a_idx:
@@ -216,16 +226,19 @@ def _diagnose(k, cost, mns, sizes, num_devices, max_stages) -> str:
     if np.isfinite(_table(k, free, num_devices, np.inf, True)[1:, 0, num_devices]).any():
         return (f"slicings tiling the {num_devices} devices exist{limit}, but none fits in "
                 "device memory: every one has a stage followed by more stages than its "
-                "max_n_succ_stages allows (1F1B keeps n_succ + 1 microbatches of "
-                "activations); use more devices, smaller microbatches or rematerialisation")
+                "max_n_succ_stages allows (a stage holds more microbatches of activations the more "
+                "stages follow it); use more devices, smaller microbatches or rematerialisation")
     return (f"the {num_devices} devices cannot be tiled exactly by submeshes of sizes "
             f"{sorted(set(sizes.tolist()))} over stages of finite cost covering all "
             f"{num_layers} layers{limit}; check the cluster and the submesh list")
 
 
 def solve_stage_dp(stage_cost_s, max_n_succ_stages, submesh_sizes, num_devices,
-                   num_microbatches, *, max_stages=None, use_numba=None) -> StageDPResult:
+                   num_microbatches, *, schedule: PipelineSchedule | None = None, max_stages=None,
+                   use_numba=None) -> StageDPResult:
     """Optimal stage slicing (module docstring); raises NoFeasiblePlanError if none.
+
+    ``schedule`` gives w (``max_weight(num_microbatches)``); default: the default schedule.
 
     stage_cost_s float [L, L, S, C] (inf = absent), max_n_succ_stages int
     [L, L, S, C] (-1 = never), submesh_sizes int [S]; entries with i < l ignored.
@@ -243,7 +256,7 @@ def solve_stage_dp(stage_cost_s, max_n_succ_stages, submesh_sizes, num_devices,
     ts = np.unique(cands.ent_cost_s)
     g_lb = _sum_lower_bound(cost, usable_mask(cost, mns, sizes, num_devices))
     (total_s, t_max_s, f), n_eval = _search_tmax(
-        k, cands, num_devices, int(num_microbatches), ts,
+        k, cands, num_devices, slowest_weight(schedule, num_microbatches), ts,
         int(np.searchsorted(ts, t_feas_s)), g_lb)
     sums = f[1:, 0, num_devices]
     q_best = int(np.flatnonzero(sums == sums.min())[0]) + 1

@@ -50,7 +50,7 @@ import torch
 
 from alpa_torch.core.grad_op import GRAD_MARKER_NAME
 from alpa_torch.core.partition import partition, stage_of_nodes
-from alpa_torch.core.schedule import compute_order
+from alpa_torch.core.schedule import DEFAULT_SCHEDULE, schedule_named
 from alpa_torch.core.spec import ShardingSpec
 from intra_ilp import cost_model as cm
 
@@ -368,7 +368,7 @@ def simulate_stage(graph, sharding, *, forward=None, backward=None, update=None,
 
 
 def plan_memory(graph, layer_of: dict[str, int], stage_ranges, shardings, *, num_microbatches: int,
-                schedule: str = "1f1b") -> list[MemoryEstimate]:
+                schedule: str = DEFAULT_SCHEDULE) -> list[MemoryEstimate]:
     """``simulate_stage`` for every stage of a plan: layers ``stage_ranges[k]`` (inclusive) on
     ``shardings[k]``, partitioned as the runtime does (``alpa_torch.core.partition``), each stage in
     its schedule's compute order."""
@@ -377,7 +377,7 @@ def plan_memory(graph, layer_of: dict[str, int], stage_ranges, shardings, *, num
     stage_of = stage_of_nodes(graph, layer_of, ranges)
     programs, crossings = partition(graph, stage_of, k_total)
     engine = k_total == 1 and b == 1
-    orders = compute_order(schedule, k_total, b)
+    orders = schedule_named(schedule).compute_order(k_total, b)
     out = []
     for k, prog in enumerate(programs):
         order = orders[k]
@@ -391,7 +391,7 @@ def plan_memory(graph, layer_of: dict[str, int], stage_ranges, shardings, *, num
 
 
 def with_simulated_memory(graph, layer_of: dict[str, int], stages, *, num_microbatches: int,
-                          schedule: str = "1f1b") -> tuple:
+                          schedule: str = DEFAULT_SCHEDULE) -> tuple:
     """``StagePlan``s with ``memory_bytes`` = the simulated peak (``plan_memory``) of the
     programs the runtime runs: with activation checkpointing, those of the rewritten graph
     (``alpa_torch.core.remat``: copies sharded as their originals). Every stage keeps the stage

@@ -7,7 +7,8 @@ number of microbatches B, and places the chosen submeshes on the cluster.
 Does not own any of those algorithms, nor running the plan (``runtime``).
 
 Stage cost of layers i..j on submesh s with config c, per microbatch (the
-DP's t in Alpa eq. 2, ``T = Σ_k t_k + (B-1) max_k t_k``)::
+DP's t in the schedule's step time, ``T = Σ_k t_k + w max_k t_k``, ``w =
+PipelineSchedule.max_weight(B)``: B - 1 for GPipe and 1F1B, Alpa eq. 2)::
 
     t = (fb_ij - f_ij + upd_ij) / B + f_ij + a_ij (B-1) / B + x_i
     fb_ij   forward + backward time of the ILP solution (compute, collectives,
@@ -36,10 +37,10 @@ x_i by its 'transfer' factor (``Cluster.correction``): the intra-op ILP's choice
 are unchanged, the stage DP compares the stages at their measured rates.
 
 Memory per device (the DP's feasibility rule): persistent + k · activation / B with k microbatches in
-flight; 1F1B: k = n_succ + 1, so ``max_n_succ_stages`` = floor((M - p) / a) - 1
-(-1 when even k = 1 does not fit; unlimited when k >= B fit, since at most
-B microbatches exist); GPipe: all B in flight. M is the device
-memory or ``memory_budget_bytes``. The plan reports, per stage, the peak the
+flight, k = ``PipelineSchedule.in_flight(n_succ, B)`` for a stage followed by n_succ stages,
+so ``max_n_succ_stages`` is the largest n_succ whose k fits (-1 when none does; every one
+when the schedule never holds more than fit). M is the
+device memory or ``memory_budget_bytes``. The plan reports, per stage, the peak the
 runtime's allocations reach (``memory_sim``: liveness of the stage's programs in
 the schedule's order, the optimizer's old and new state at once, transient
 copies), which may exceed this rule's figure.
@@ -72,6 +73,7 @@ from alpa_torch.core.errors import BatchSplitError, InfeasibleMemoryError, PlanE
 from alpa_torch.core.graph import OpGraph
 from alpa_torch.core.options import PlanOptions
 from alpa_torch.core.plan import ParallelPlan, StagePlan, graph_fingerprint, tile_submeshes
+from alpa_torch.core.schedule import PipelineSchedule, schedule_named
 
 from .checkpointing import Checkpointing, choose_layers, saved_and_peak
 from .dp import NoFeasiblePlanError, StageDPResult, solve_stage_dp
@@ -87,6 +89,8 @@ class StageTables:
     """The stage DP's inputs for one B, with the parts of each cost (all [L, L, S, C])."""
 
     num_microbatches: int
+    schedule: PipelineSchedule
+    """Its in-flight rule decided ``max_n_succ``; its step time prices a slicing (``step_time``)."""
     columns: tuple[tuple[MeshConfig, ...], ...]
     """columns[s][c]: the config of column c of submesh s."""
     sizes: np.ndarray
@@ -116,22 +120,23 @@ def microbatch_candidates(graph, num_microbatches: int | None) -> list[int]:
     return [b for b in (2**k for k in range(size.bit_length())) if size % b == 0 and (size // b > 1 or b == 1)]
 
 
-def max_n_succ(persistent, activation, budget, num_layers, num_microbatches, schedule) -> np.ndarray:
-    """Module docstring, memory rule; int64, capped at num_layers."""
-    if schedule == "gpipe":
-        fits = persistent + activation * num_microbatches <= budget
-        return np.where(fits, num_layers, -1).astype(np.int64)
+def max_n_succ(persistent, activation, budget, num_layers, num_microbatches, schedule: PipelineSchedule
+               ) -> np.ndarray:
+    """Module docstring, memory rule: the most stages that may follow each candidate, from the
+    microbatches that fit beside its persistent bytes and the schedule's ``in_flight``; int64, -1
+    = never, capped at num_layers."""
+    in_flight = np.array([schedule.in_flight(n, num_microbatches) for n in range(num_layers + 1)], dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
-        k = np.floor((budget - persistent) / activation)
-    k = np.where(activation > 0, k, np.where(persistent <= budget, num_layers + 1, 0))
-    k = np.where(k >= num_microbatches, num_layers + 1, k)  # at most B are ever in flight
-    return np.clip(np.nan_to_num(k, nan=0.0) - 1, -1, num_layers).astype(np.int64)
+        fit = np.floor((budget - persistent) / activation)
+    fit = np.where(activation > 0, fit, np.where(persistent <= budget, np.inf, -1.0))
+    fit = np.nan_to_num(fit, nan=-1.0, posinf=np.inf)
+    return (np.searchsorted(in_flight, fit, side="right") - 1).astype(np.int64)
 
 
 def build_tables(model: StageCostModel, columns, num_microbatches: int, budget_bytes: float,
                  schedule: str, activation_scale: float) -> StageTables:
-    """Price every (i, j, s, c) for B = num_microbatches (module docstring)."""
-    num_layers, b = model.layers.num_layers, num_microbatches
+    """Price every (i, j, s, c) for B = num_microbatches under ``schedule`` (a name; module docstring)."""
+    num_layers, b, pipeline_schedule = model.layers.num_layers, num_microbatches, schedule_named(schedule)
     model.solve_many((l, cfg, activation_scale) for cols in columns for cfg in cols if not cfg.bound
                      for l in range(num_layers))
     shape = (num_layers, num_layers, len(columns), max(len(c) for c in columns))
@@ -163,9 +168,10 @@ def build_tables(model: StageCostModel, columns, num_microbatches: int, budget_b
                 arr[key][:, :, s, c] = np.where(upper, val, np.inf)
     for lo, hi in tied_spans(model.graph, model.layers.layer_of):  # no stage starts inside a tied span
         arr["cost"][lo + 1:hi + 1] = np.inf
-    mns = max_n_succ(arr["pers"], arr["act"], budget_bytes, num_layers, b, schedule)
+    mns = max_n_succ(arr["pers"], arr["act"], budget_bytes, num_layers, b, pipeline_schedule)
     mns = np.where(np.isfinite(arr["cost"]), mns, -1)
-    return StageTables(num_microbatches=b, columns=tuple(tuple(c) for c in columns), sizes=sizes,
+    return StageTables(num_microbatches=b, schedule=pipeline_schedule, columns=tuple(tuple(c) for c in columns),
+                       sizes=sizes,
                        cost_s=arr["cost"], compute_s=arr["compute"], cross_s=arr["cross"],
                        update_s=arr["update"], persistent_bytes=arr["pers"], activation_bytes=arr["act"],
                        max_n_succ=mns)
@@ -202,19 +208,19 @@ def run_dp(tables: StageTables, num_devices: int, *, num_stages=None, max_stages
         sizes, devices = sizes * width + 1, num_devices * width + num_stages
         max_stages = num_stages
     res = solve_stage_dp(cost, tables.max_n_succ, sizes, devices, tables.num_microbatches,
-                         max_stages=max_stages)
+                         max_stages=max_stages, schedule=tables.schedule)
     if num_stages is not None:
         assert len(res.stages) == num_stages, "the device-count encoding forces the stage count"
     return res
 
 
 def step_time(tables: StageTables, stages) -> float:
-    """Alpa eq. 2 for given stages (start, end, s, c); inf if a stage does not fit."""
+    """The schedule's step time of given stages (start, end, s, c); inf if a stage does not fit."""
     ts = [tables.cost_s[i, j, s, c] for i, j, s, c in stages]
     k = len(stages)
     if any(tables.max_n_succ[i, j, s, c] < k - 1 - q for q, (i, j, s, c) in enumerate(stages)):
         return math.inf
-    return float(sum(ts) + (tables.num_microbatches - 1) * max(ts))
+    return tables.schedule.step_time([float(t) for t in ts], tables.num_microbatches)
 
 
 # ------------------------------------------------------------------ plan()
@@ -552,7 +558,7 @@ def build_plan(graph, model: StageCostModel, tables: StageTables, stages, schedu
     for k, (i, j, s, c) in enumerate(stages):
         cfg = tables.columns[s][c]
         base = dataclasses.replace(cfg, recompute=False)
-        in_flight = b if schedule == "gpipe" else min(k_total - k, b)
+        in_flight = tables.schedule.in_flight(k_total - 1 - k, b)
         t, comp = float(tables.cost_s[i, j, s, c]), float(tables.compute_s[i, j, s, c])
         pers, act = float(tables.persistent_bytes[i, j, s, c]), float(tables.activation_bytes[i, j, s, c])
         memory, recompute = pers + in_flight * act, ()
@@ -571,7 +577,7 @@ def build_plan(graph, model: StageCostModel, tables: StageTables, stages, schedu
     # the reported peak per device: the runtime's allocations simulated (the DP's rule decided feasibility)
     out = list(with_simulated_memory(graph, model.layers.layer_of, out, num_microbatches=b, schedule=schedule))
     slow = max(out, key=lambda st: (st.time_s, -st.index))
-    total = math.fsum(st.time_s for st in out) + (b - 1) * slow.time_s
+    total = tables.schedule.step_time([st.time_s for st in out], b)
     return ParallelPlan(
         stages=tuple(out), schedule=schedule, num_microbatches=b, num_layers=model.layers.num_layers,
         layer_of=dict(model.layers.layer_of), predicted_step_s=total, compute_s=b * slow.compute_s,

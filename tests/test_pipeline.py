@@ -229,3 +229,45 @@ def test_plain_tensor_sent_between_stages_after_the_first_step():
     assert [s.num_devices for s in plan.stages] == [2, 2], plan.summary()  # the bug needed DTensor stages
     for pname, p in eager.named_parameters():
         torch.testing.assert_close(state["model"][pname], p.detach(), atol=ATOL, rtol=0)
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_schedule_defined_outside_the_library_is_planned_explained_and_run():
+    """``tests.test_schedule.Reversed`` is one class the library never names: ``parallelize`` plans
+    two stages with it (the stage DP reads its memory and step time), ``explain`` and the runner-ups
+    read it, and the runtime runs its order equal to eager."""
+    import copy
+
+    from alpa_torch import parallelize
+    from alpa_torch.core.options import PlanOptions
+    from alpa_torch.explain import alternatives, explain, with_alternatives
+    from stage_dp.planner import make_plan_with_model
+    from tests.test_schedule import Reversed
+    from tests.test_semantics import CLUSTER, _mlp, _xy, plain
+
+    eager = _mlp()
+    model = copy.deepcopy(eager)
+    eager_opt, opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, model))
+    step = parallelize(plain, CLUSTER, schedule=Reversed.name, num_stages=2, num_microbatches=2, plan_cache=False)
+    try:
+        for i in range(3):
+            want = float(plain(eager, eager_opt, _xy(i)).detach())
+            assert float(step(model, opt, _xy(i))) == pytest.approx(want, abs=ATOL), f"step {i}"
+        state = step.state_dict()["model"]
+        plan = step.plan
+    finally:
+        step.shutdown()
+    for pname, p in eager.named_parameters():
+        torch.testing.assert_close(state[pname], p.detach(), atol=ATOL, rtol=0, msg=pname)
+    assert plan.schedule == Reversed.name and len(plan.stages) == 2
+    assert [s.in_flight for s in plan.stages] == [2, 2]  # the toy holds every microbatch, as GPipe
+    from alpa_torch.viz import predicted_timeline
+
+    order = [e.instruction for e in predicted_timeline(plan).events[1] if e.instruction.is_compute]
+    assert [repr(i) for i in order] == ["F0", "F1", "B1", "B0"]
+
+    fresh = _mlp()
+    graph = capture(plain, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2), _xy(0))
+    planned, cost_model = make_plan_with_model(graph, CLUSTER, PlanOptions(schedule=Reversed.name, num_stages=2))
+    text = explain(with_alternatives(planned, alternatives(cost_model, planned)))
+    assert Reversed.name in text

@@ -1,9 +1,10 @@
-"""Pipeline schedules: order, dependencies, deadlock freedom, memory and makespan."""
+"""Pipeline schedules as objects: order, dependencies, deadlock freedom, memory and makespan."""
 
 from __future__ import annotations
 
 import pytest
 
+from alpa_torch.core.errors import PlanError
 from alpa_torch.core.schedule import (
     BACKWARD,
     FORWARD,
@@ -14,17 +15,18 @@ from alpa_torch.core.schedule import (
     UPDATE,
     DeadlockError,
     Instruction,
-    bubble_fraction,
+    PipelineSchedule,
     check_schedule,
     format_schedule,
-    gpipe,
     max_in_flight,
-    one_f_one_b,
+    schedule_named,
+    schedule_names,
     simulate,
 )
 
 SIZES = [(s, b) for s in range(1, 9) for b in range(1, 17)]
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+SCHEDULES = ("gpipe", "1f1b")
+gpipe, one_f_one_b = schedule_named("gpipe").programs, schedule_named("1f1b").programs
 
 
 def compute_order(program):
@@ -101,7 +103,7 @@ def test_one_f_one_b_matches_torch_order(s, b):
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_deadlock_free_and_dependencies_hold(name):
     for s, b in SIZES:
-        sched = SCHEDULES[name](s, b)
+        sched = schedule_named(name).programs(s, b)
         check_schedule(sched)
         timeline = simulate(sched, fwd_s=1.0, bwd_s=2.0, comm_s=0.5)
         for k in range(s):
@@ -119,6 +121,9 @@ def test_in_flight_peaks():
         for k, (g, o) in enumerate(zip(gpipe(s, b), one_f_one_b(s, b))):
             assert max_in_flight(g) == b
             assert max_in_flight(o) == min(s - k, b)
+            # what the stage DP and the plan read: the same count, from the stages after k
+            assert schedule_named("gpipe").in_flight(s - 1 - k, b) == b
+            assert schedule_named("1f1b").in_flight(s - 1 - k, b) == min(s - k, b)
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
@@ -126,9 +131,10 @@ def test_unit_cost_makespan_is_analytic(name):
     # GPipe (and 1F1B, whose bubble is the same) take (B + S - 1)(f + b) with free comm.
     for s, b in SIZES:
         for f, bw in [(1.0, 1.0), (1.0, 2.0)]:
-            timeline = simulate(SCHEDULES[name](s, b), fwd_s=f, bwd_s=bw)
+            timeline = simulate(schedule_named(name).programs(s, b), fwd_s=f, bwd_s=bw)
             assert timeline.makespan_s == pytest.approx((b + s - 1) * (f + bw))
-            assert timeline.idle_fraction == pytest.approx(bubble_fraction(s, b))
+            assert timeline.makespan_s == pytest.approx(schedule_named(name).step_time([f + bw] * s, b))
+            assert timeline.idle_fraction == pytest.approx(schedule_named(name).bubble_fraction(s, b))
 
 
 def test_comm_latency_adds_per_hop():
@@ -178,3 +184,31 @@ def test_bad_sizes():
         gpipe(0, 4)
     with pytest.raises(ValueError):
         one_f_one_b(2, 0)
+
+
+def test_schedules_are_registered_by_name_and_an_unknown_name_is_refused():
+    assert set(SCHEDULES) <= set(schedule_names())
+    assert schedule_named("1f1b").compute_order(2, 2) == [[("F", 0), ("F", 1), ("B", 0), ("B", 1)],
+                                                           [("F", 0), ("B", 0), ("F", 1), ("B", 1)]]
+    with pytest.raises(PlanError, match="unknown.*1f1b"):
+        schedule_named("zero-bubble-v9")
+
+
+class Reversed(PipelineSchedule):
+    """A toy schedule for the tests: GPipe whose backwards run in reverse microbatch order (every
+    microbatch's activations held, as GPipe)."""
+
+    name = "test-reversed-gpipe"
+
+    def order(self, stage, num_stages, num_microbatches):
+        mbs = range(num_microbatches)
+        return [(FORWARD, mb) for mb in mbs] + [(BACKWARD, mb) for mb in reversed(mbs)]
+
+
+def test_a_new_schedule_is_one_class():
+    """Defined here, nowhere else: registered, its programs valid, its memory and step time derived."""
+    toy = schedule_named(Reversed.name)
+    for s, b in SIZES[:40]:
+        check_schedule(toy.programs(s, b))
+        assert toy.in_flight(s - 1, b) == b
+    assert toy.step_time([1.0, 3.0], 4) == 4.0 + 3 * 3.0

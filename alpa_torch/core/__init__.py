@@ -16,7 +16,7 @@ Modules (``docs/architecture.md`` §0 says more of each):
 - ``plan``             ``ParallelPlan`` / ``StagePlan``: frozen, JSON, a table
 - ``microbatches``     which batch leaves are cut into microbatches, and how
 - ``partition``        the step split into per-stage programs and the values that cross stages
-- ``schedule``         GPipe and 1F1B as instruction lists, and a simulator
+- ``schedule``         pipeline schedules as objects (order, in-flight memory, step time), a simulator
 - ``remat``            activation checkpointing as a graph rewrite
 
 Imports: torch, yaml. Nothing here imports Ray, Pyomo, HiGHS or numba, nor any other package

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import PlanError
+from .schedule import DEFAULT_SCHEDULE, schedule_named
 
-SCHEDULES = ("1f1b", "gpipe")
-"""Pipeline schedules the runtime runs."""
 CHECKPOINTING_MODES = ("auto", "none", "full")
 """``checkpointing`` as a word (a positive number is a per-device byte budget)."""
 LOGICAL_SHAPES = ("alpa", "all")
@@ -41,8 +40,8 @@ class PlanOptions:
     """False: no intra-op sharding beyond data parallelism (pipeline and data parallel only)."""
     memory_budget_bytes: float | None = None
     """Memory per device a plan must fit in; None: the device's memory."""
-    schedule: str = "1f1b"
-    """Pipeline schedule, one of ``SCHEDULES``."""
+    schedule: str = DEFAULT_SCHEDULE
+    """Pipeline schedule, a name of ``alpa_torch.core.schedule``'s (``schedule_names()``)."""
     checkpointing: str | float = "auto"
     """Activation checkpointing: 'auto' (recompute layers where a stage would not fit otherwise or
     where that is faster), 'none', 'full' (every layer), or bytes per device the stages must fit in."""
@@ -63,8 +62,7 @@ class PlanOptions:
         if budget is not None and not (isinstance(budget, (int, float)) and not isinstance(budget, bool)
                                        and 0 < budget < math.inf):
             raise PlanError(f"memory_budget_bytes={budget!r} must be a positive number of bytes per device or None")
-        if self.schedule not in SCHEDULES:
-            raise PlanError(f"schedule {self.schedule!r} is unknown; use one of {SCHEDULES}")
+        schedule_named(self.schedule)  # raises on an unknown name
         if self.logical_shapes not in LOGICAL_SHAPES:
             raise PlanError(f"logical_shapes={self.logical_shapes!r}: use one of {LOGICAL_SHAPES}")
         checkpointing_budget(self.checkpointing)  # raises on a bad value

@@ -25,7 +25,7 @@ from pathlib import Path
 from .cluster import Cluster, GiB
 from .errors import ClusterSpecError, PlanError
 from .graph import OpGraph
-from .options import SCHEDULES
+from .schedule import schedule_named
 from .sharding import StageSharding
 
 FORMAT_VERSION = 1
@@ -106,7 +106,7 @@ class StagePlan:
     activation_bytes: float
     """Per device and microbatch in flight."""
     in_flight: int
-    """Microbatches whose activations the stage holds at once (1F1B: stages after it + 1)."""
+    """Microbatches whose activations the stage holds at once (``PipelineSchedule.in_flight``)."""
     memory_bytes: float
     """Peak per device, the runtime's allocations simulated (``stage_dp.memory_sim``; the
     rewritten programs for a stage recomputing layers). The DP's own rule, persistent +
@@ -140,7 +140,7 @@ class ParallelPlan:
 
     stages: tuple[StagePlan, ...]
     schedule: str
-    """'1f1b' or 'gpipe'."""
+    """The pipeline schedule's name (``alpa_torch.core.schedule.schedule_named``)."""
     num_microbatches: int
     num_layers: int
     layer_of: dict[str, int]
@@ -237,9 +237,9 @@ class ParallelPlan:
             raise PlanError(f"the plan was made for a {self.cluster.get('num_hosts')}x"
                             f"{self.cluster.get('devices_per_host')} cluster, this one is "
                             f"{cluster.num_hosts}x{cluster.devices_per_host}; re-plan for it")
-        if self.schedule not in SCHEDULES or self.num_microbatches < 1:
-            raise PlanError(f"schedule {self.schedule!r} / num_microbatches {self.num_microbatches} invalid: "
-                            f"use one of {SCHEDULES} and >= 1 microbatch")
+        schedule_named(self.schedule)  # raises on an unknown name
+        if self.num_microbatches < 1:
+            raise PlanError(f"num_microbatches {self.num_microbatches} invalid: use >= 1 microbatch")
         self._check_layers(graph)
         self._check_tiling(cluster)
 

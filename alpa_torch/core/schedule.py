@@ -1,36 +1,52 @@
-"""Pipeline schedules as data: per-stage instruction lists and a simulator.
+"""Pipeline schedules, one object each: instruction order, memory, step time; and a simulator.
 
-A schedule is ``list[list[Instruction]]``: one ordered program per pipeline
-stage. Workers execute their program in order; this module only says *what*
-runs *when*, it never moves a tensor (``runtime`` executors do).
+A schedule is a ``PipelineSchedule`` subclass with a ``name``, registered by being defined
+(``schedule_named``). Its one method to write is ``order``: a stage's forwards and
+backwards in the order it runs them. Everything else the planner, the memory simulation,
+``explain``, ``viz``, the CLI and the runtime need is derived from that order or given by
+the class:
 
-- ``gpipe(S, B)``: every forward in microbatch order, then every backward in
+- ``programs(S, B)``: one ordered program of ``Instruction``s per stage, the order with
+  its communication. Workers execute their program in order; this module only says *what*
+  runs *when*, it never moves a tensor (``runtime`` executors do). ``RECV_ACT`` comes right
+  before the forward that consumes it, ``SEND_ACT`` right after the forward that produces
+  it; ``RECV_GRAD`` right before the backward, ``SEND_GRAD`` right after.
+- ``in_flight(stages_after, B)``: the microbatches whose activations a stage holds at once
+  (the stage DP's memory rule), counted from the first stage's order in a pipeline of
+  ``stages_after + 1`` stages.
+- ``max_weight(B)``: the step time is ``T = sum_k t_k + max_weight(B) * max_k t_k`` over the
+  stages' per-microbatch times ``t_k`` (``step_time``); the stage DP minimises that form.
+
+The schedules:
+
+- ``GPipe`` (``"gpipe"``): every forward in microbatch order, then every backward in
   microbatch order, then the update. Same order as
-  ``torch.distributed.pipelining.ScheduleGPipe``.
-- ``one_f_one_b(S, B)``: PipeDream-flush 1F1B. Stage ``k`` runs
-  ``min(S - k - 1, B)`` warm-up forwards, then alternates one forward and one
-  backward, then drains the remaining backwards. The compute order equals
-  ``torch.distributed.pipelining.Schedule1F1B`` (which counts its warm-up as
-  ``min(S - k, B)`` forwards followed by "1B1F": the same sequence). Stage k
-  keeps at most ``min(S - k, B)`` microbatches' activations alive (the memory
-  rule the stage DP uses).
+  ``torch.distributed.pipelining.ScheduleGPipe``. All B microbatches in flight.
+- ``OneFOneB`` (``"1f1b"``): PipeDream-flush 1F1B. Stage ``k`` runs ``min(S - k - 1, B)``
+  warm-up forwards, then alternates one forward and one backward, then drains the
+  remaining backwards. The compute order equals
+  ``torch.distributed.pipelining.Schedule1F1B`` (which counts its warm-up as ``min(S - k,
+  B)`` forwards followed by "1B1F": the same sequence). Stage k holds at most ``min(S - k,
+  B)`` microbatches.
 
-Communication sits where a real executor needs it: ``RECV_ACT`` right before
-the forward that consumes it, ``SEND_ACT`` right after the forward that
-produces it; ``RECV_GRAD`` right before the backward, ``SEND_GRAD`` right after.
+Both take Alpa's eq. 2, ``max_weight = B - 1``: with equal stage times ``t`` a step is
+``(B + S - 1) t``, a bubble fraction of ``(S - 1) / (B + S - 1)`` (GPipe paper, §2.2).
 
-``simulate`` runs the programs as a discrete-event simulation with buffered
-(non-blocking) sends and blocking receives: it proves a schedule is
-deadlock-free and gives each instruction's start and end time. With unit
-costs and free communication GPipe takes ``(B + S - 1)(f + b)``, i.e. a bubble
-fraction of ``(S - 1) / (B + S - 1)`` (GPipe paper, §2.2).
+``simulate`` runs programs as a discrete-event simulation with buffered (non-blocking)
+sends and blocking receives: it proves a schedule is deadlock-free and gives each
+instruction's start and end time.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
+
+from .errors import PlanError
 
 
 class Kind(str, enum.Enum):
@@ -99,7 +115,8 @@ class Instruction:
         return what, src, dst, self.microbatch
 
 
-Schedule = list[list[Instruction]]
+Programs = list[list[Instruction]]
+"""One ordered program of instructions per stage."""
 
 
 def _expand(stage: int, num_stages: int, order: Sequence[tuple[Kind, int]]) -> list[Instruction]:
@@ -128,50 +145,114 @@ def _check_sizes(num_stages: int, num_microbatches: int) -> None:
         raise ValueError(f"need num_stages >= 1 and num_microbatches >= 1, got {num_stages} and {num_microbatches}")
 
 
-def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
-    """GPipe: all forwards (mb 0..B-1), then all backwards (mb 0..B-1), then UPDATE."""
-    _check_sizes(num_stages, num_microbatches)
-    mbs = range(num_microbatches)
-    order = [(FORWARD, mb) for mb in mbs] + [(BACKWARD, mb) for mb in mbs]
-    return [_expand(k, num_stages, order) for k in range(num_stages)]
-
-
-def one_f_one_b_order(stage: int, num_stages: int, num_microbatches: int) -> list[tuple[Kind, int]]:
-    """Compute order of 1F1B on one stage: warm-up F, steady (F, B) pairs, cool-down B."""
-    warmup = min(num_stages - stage - 1, num_microbatches)
-    steady = num_microbatches - warmup
-    order = [(FORWARD, mb) for mb in range(warmup)]
-    for i in range(steady):
-        order += [(FORWARD, warmup + i), (BACKWARD, i)]
-    order += [(BACKWARD, mb) for mb in range(steady, num_microbatches)]
-    return order
-
-
-def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
-    """PipeDream-flush 1F1B (Narayanan et al. 2021), ending with UPDATE on every stage."""
-    _check_sizes(num_stages, num_microbatches)
-    return [_expand(k, num_stages, one_f_one_b_order(k, num_stages, num_microbatches)) for k in range(num_stages)]
-
-
-def max_in_flight(program: Sequence[Instruction]) -> int:
-    """Peak number of microbatches whose forward ran and whose backward has not."""
+def max_in_flight(order: Sequence[Instruction | tuple[Kind, int]]) -> int:
+    """Peak number of microbatches whose forward ran and whose backward has not, in a program or
+    a compute order."""
     live = peak = 0
-    for ins in program:
-        if ins.kind == FORWARD:
+    for item in order:
+        kind = item.kind if isinstance(item, Instruction) else item[0]
+        if kind == FORWARD:
             live += 1
             peak = max(peak, live)
-        elif ins.kind == BACKWARD:
+        elif kind == BACKWARD:
             live -= 1
     return peak
 
 
-def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
-    """Idle share of a GPipe / 1F1B step with equal stage costs: (S - 1) / (B + S - 1)."""
-    _check_sizes(num_stages, num_microbatches)
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+_REGISTRY: dict[str, PipelineSchedule] = {}
 
 
-def check_schedule(schedules: Schedule) -> None:
+class PipelineSchedule:
+    """One pipeline schedule (module docstring). A subclass sets ``name`` and writes ``order``;
+    defining it registers it for ``schedule_named``."""
+
+    name: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.name:
+            _REGISTRY[cls.name] = cls()
+
+    def __repr__(self) -> str:
+        return f"<schedule {self.name}>"
+
+    def order(self, stage: int, num_stages: int, num_microbatches: int) -> list[tuple[Kind, int]]:
+        """Stage ``stage``'s forwards and backwards, ``[(FORWARD | BACKWARD, microbatch)]``, in the order
+        it runs them."""
+        raise NotImplementedError
+
+    def programs(self, num_stages: int, num_microbatches: int) -> Programs:
+        """Every stage's program: its order with the communication, ending with ``UPDATE``."""
+        _check_sizes(num_stages, num_microbatches)
+        return [_expand(k, num_stages, self.order(k, num_stages, num_microbatches)) for k in range(num_stages)]
+
+    def compute_order(self, num_stages: int, num_microbatches: int) -> list[list[tuple[str, int]]]:
+        """Per stage, ``[('F' | 'B', microbatch), ...]``: what a pipeline stage executes, and what the
+        memory simulation replays."""
+        _check_sizes(num_stages, num_microbatches)
+        return [[(kind.value, mb) for kind, mb in self.order(k, num_stages, num_microbatches)]
+                for k in range(num_stages)]
+
+    @functools.cache  # noqa: B019 - schedules are registered singletons
+    def in_flight(self, stages_after: int, num_microbatches: int) -> int:
+        """Microbatches a stage followed by ``stages_after`` stages holds at once (module docstring)."""
+        return max_in_flight(self.order(0, stages_after + 1, num_microbatches))
+
+    def max_weight(self, num_microbatches: int) -> float:
+        """The weight of the slowest stage in the step time (module docstring): Alpa's eq. 2, B - 1."""
+        return float(num_microbatches - 1)
+
+    def step_time(self, stage_times: Sequence[float], num_microbatches: int) -> float:
+        """The step of stages taking ``stage_times`` per microbatch: ``sum + max_weight(B) * max``."""
+        return math.fsum(stage_times) + self.max_weight(num_microbatches) * max(stage_times)
+
+    def bubble_fraction(self, num_stages: int, num_microbatches: int) -> float:
+        """Idle share of a step with equal stage times: ``1 - B t / step_time``."""
+        _check_sizes(num_stages, num_microbatches)
+        return 1.0 - num_microbatches / self.step_time([1.0] * num_stages, num_microbatches)
+
+
+class GPipe(PipelineSchedule):
+    """All forwards (microbatch 0..B-1), then all backwards (0..B-1)."""
+
+    name = "gpipe"
+
+    def order(self, stage: int, num_stages: int, num_microbatches: int) -> list[tuple[Kind, int]]:
+        mbs = range(num_microbatches)
+        return [(FORWARD, mb) for mb in mbs] + [(BACKWARD, mb) for mb in mbs]
+
+
+class OneFOneB(PipelineSchedule):
+    """PipeDream-flush 1F1B (Narayanan et al. 2021): warm-up forwards, steady (F, B) pairs, cool-down backwards."""
+
+    name = "1f1b"
+
+    def order(self, stage: int, num_stages: int, num_microbatches: int) -> list[tuple[Kind, int]]:
+        warmup = min(num_stages - stage - 1, num_microbatches)
+        steady = num_microbatches - warmup
+        order = [(FORWARD, mb) for mb in range(warmup)]
+        for i in range(steady):
+            order += [(FORWARD, warmup + i), (BACKWARD, i)]
+        return order + [(BACKWARD, mb) for mb in range(steady, num_microbatches)]
+
+
+DEFAULT_SCHEDULE = OneFOneB.name
+
+
+def schedule_names() -> tuple[str, ...]:
+    """The registered schedules' names."""
+    return tuple(_REGISTRY)
+
+
+def schedule_named(name: str) -> PipelineSchedule:
+    """The registered schedule ``name``; a ``PlanError`` naming the known ones otherwise."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise PlanError(f"schedule {name!r} is unknown; use one of {schedule_names()}") from None
+
+
+def check_schedule(schedules: Programs) -> None:
     """Raise ValueError unless every stage's program has the data dependencies an executor needs.
 
     Per stage and microbatch: one forward and one backward, forward first;
@@ -249,7 +330,7 @@ def _per_stage(value: float | Sequence[float], num_stages: int, name: str) -> li
 
 
 def simulate(
-    schedules: Schedule,
+    schedules: Programs,
     fwd_s: float | Sequence[float] = 1.0,
     bwd_s: float | Sequence[float] = 1.0,
     comm_s: float = 0.0,
@@ -295,14 +376,6 @@ def simulate(
     return Timeline(tuple(tuple(e) for e in events), max(clock, default=0.0))
 
 
-def format_schedule(schedules: Schedule) -> str:
+def format_schedule(schedules: Programs) -> str:
     """One line per stage, e.g. ``stage 0: F0 sendA0:0->1 F1 ...``."""
     return "\n".join(f"stage {k}: " + " ".join(map(repr, program)) for k, program in enumerate(schedules))
-
-
-def compute_order(schedule: str, num_stages: int, num_microbatches: int) -> list[list[tuple[str, int]]]:
-    """Per stage, its forwards and backwards in the order the schedule runs them: ``[('F' | 'B',
-    microbatch), ...]`` (what a pipeline stage executes, and what the memory simulation replays)."""
-    make = {"gpipe": gpipe, "1f1b": one_f_one_b}[schedule]
-    return [[("F" if i.kind == FORWARD else "B", i.microbatch) for i in program if i.kind in (FORWARD, BACKWARD)]
-            for program in make(num_stages, num_microbatches)]
