@@ -13,12 +13,19 @@ worker processes), on this machine as it is:
 - ``llama3-70b``: LLaMA-3-70B at its published setting (``PublishedModel``) on 16x8
   H100-80GB, full search with pipelining. Target 120 s.
 
+``--attention math`` is a diagnostic for before/after comparisons in one hour: the same
+commands with ``scaled_dot_product_attention`` captured as eager's math path (matmul,
+softmax, matmul: the capture before attention stayed fused), by replacing
+``alpa_torch.tracing.math_reason`` in the planning process; the line says ``"attention":
+"math"``.
+
 One JSON line per case: case, command, wall_s, cpu_s, capture_s (the CLI's own log line),
 target_s, met, the plan's summary line, exit code, and ``_plans.machine_info()`` taken
 before the run (date, cores, load averages, torch, the code's commit). Run it on a quiet
 machine: the planner uses two processes.
 
-Usage: python bench/plan_targets.py [--cases llama3-8b-one-stage,gpt-39b,llama3-70b] [--out FILE]
+Usage: python bench/plan_targets.py [--cases llama3-8b-one-stage,gpt-39b,llama3-70b] [--attention math]
+[--out FILE]
 """
 
 from __future__ import annotations
@@ -47,9 +54,14 @@ CASES = {
 _CAPTURED = re.compile(r"captured OpGraph\(.*\) in ([0-9.]+) s")
 
 
-def run_case(name: str) -> dict:
+_MATH_ATTENTION = ("import sys, alpa_torch.tracing as t; t.math_reason = lambda *a, **k: 'bench/plan_targets.py "
+                   "--attention math (a diagnostic)'; from alpa_torch.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def run_case(name: str, attention: str = "fused") -> dict:
     target, args = CASES[name]
-    command = [sys.executable, "-m", "alpa_torch.cli", "plan", *args, "--verbose"]
+    entry = ["-c", _MATH_ATTENTION] if attention == "math" else ["-m", "alpa_torch.cli"]
+    command = [sys.executable, *entry, "plan", *args, "--verbose"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     machine = machine_info()
     t0 = time.perf_counter()
@@ -62,7 +74,7 @@ def run_case(name: str) -> dict:
     row = {"case": name, "command": "alpa-torch plan " + " ".join(args), "wall_s": round(wall, 1),
            "cpu_s": round(cpu, 1), "capture_s": float(captured[1]) if captured else None, "target_s": target,
            "met": done.returncode == 0 and wall <= target, "plan": summary[0] if summary else None,
-           "returncode": done.returncode, **machine}
+           "returncode": done.returncode, **({"attention": "math"} if attention == "math" else {}), **machine}
     if done.returncode:
         row["stderr_tail"] = done.stderr[-2000:]
     return row
@@ -71,10 +83,12 @@ def run_case(name: str) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma list of {list(CASES)}")
+    ap.add_argument("--attention", choices=("fused", "math"), default="fused",
+                    help="math: a diagnostic, attention captured as matmul and softmax (module docstring)")
     ap.add_argument("--out", metavar="FILE", help="also append the JSON lines to FILE")
     args = ap.parse_args(argv)
     for name in select(ap, args.cases, CASES, "case"):
-        emit(run_case(name), args.out)
+        emit(run_case(name, args.attention), args.out)
     return 0
 
 
