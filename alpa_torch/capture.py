@@ -55,6 +55,7 @@ from alpa_torch.core.errors import CaptureError, LossError, PlanError
 from alpa_torch.core.grad_op import GRAD_MARKER, grad_marker
 from alpa_torch.core.graph import IOSpec, OpGraph, optimizers_of
 from alpa_torch.core.graph_facts import build_nodes
+from alpa_torch.core.host_program import HostProgram, hoist
 
 from . import masked_mean
 from . import optim as fopt
@@ -384,8 +385,11 @@ def capture(
     gm = traced(step_fn, ins.values, mode, "train_step", device_type or device_type_of)
     with _use_lazy_graph_module(True):
         norms = _exact_masked_means(gm, ins, mode)
+    program = _hoist_host_scalars(gm, ins, functional)
     graph = _assemble(gm, ins, functional, model)
     graph.meta["loss_norms"] = norms
+    if program is not None:
+        graph.meta["host_program"] = program
     graph.meta.update(
         capture_s=time.perf_counter() - t0, model=type(model).__name__,
         optimizer="+".join(type(o).__name__ for o in functional.optimizers), precision=precision,
@@ -412,6 +416,19 @@ def _exact_masked_means(gm: fx.GraphModule, ins: Inputs, mode: FakeTensorMode) -
         return ph
 
     return masked_mean.rewrite(gm, batch_nodes, add_input)
+
+
+def _hoist_host_scalars(gm: fx.GraphModule, ins: Inputs, functional) -> HostProgram | None:
+    """``host_program.hoist`` on the traced graph: each value of hyper-parameters alone becomes a
+    host-scalar input (appended last), computed by the returned program on every call."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    hoisted = hoist(gm, {ph.name: name for (kind, name), ph in zip(ins.specs, placeholders) if kind == "host_scalar"})
+    if hoisted is None:
+        return None
+    program, _ = hoisted
+    for key, value in program.values(functional.host_scalars()).items():
+        ins.add("host_scalar", key, value)
+    return program
 
 
 def _assemble(gm: fx.GraphModule, ins: Inputs, functional, model) -> OpGraph:

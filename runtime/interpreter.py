@@ -93,6 +93,12 @@ all of it), where the plan shards it: a redistribution of it to replicated is a 
 __all__ = ["GRAD_MARKER_NAME", "Ref", "StageRunner", "serialize_graph"]
 
 
+
+def host_scalar(value) -> torch.Tensor:
+    """A host-scalar input as the graph reads it: a hyper-parameter (a float) as a float64 0-dim
+    tensor, a value the driver computed (``OpGraph.host_values``) as it came."""
+    return value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)
+
 class StageRunner:
     """Holds one device's shards of the model state and runs the planned step."""
 
@@ -283,7 +289,7 @@ class StageRunner:
             if kind == "batch":
                 self.put_batch(env, node, batch[name])
             elif kind == "host_scalar":
-                env[node] = self.distribute(node, torch.tensor(scalars[name], dtype=torch.float64))
+                env[node] = self.distribute(node, host_scalar(scalars[name]))
             else:
                 env[node] = self._state[name]
         self.enter(env)

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from alpa_torch.core.spec import ShardingSpec, to_dtensor_placements
 
 from . import comm
-from .interpreter import StageRunner
+from .interpreter import StageRunner, host_scalar
 from .program import MARKER
 from .replay import ValueMeta, meta_of, wrap
 from .timeline import StepRecorder
@@ -130,7 +130,7 @@ class PipelineRunner:
         env: dict[str, Any] = {}
         for kind, name, node in r.inputs:
             if kind == "host_scalar":
-                env[node] = r.distribute(node, torch.tensor(scalars[name], dtype=torch.float64))
+                env[node] = r.distribute(node, host_scalar(scalars[name]))
             elif kind == "batch":
                 if batch is not None and name in batch:
                     r.put_batch(env, node, batch[name])
