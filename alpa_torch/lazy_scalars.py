@@ -85,10 +85,10 @@ class LazyScalar:
             mine = _as(self, torch.float32 if other.dtype in LOW_PRECISION else other.dtype)
             return op(other, mine) if reverse else op(mine, other)
         a, b = (other, self) if reverse else (self, other)
-        ta, tb = (_tensor(x) for x in (a, b))
         ca, cb = (_compute(x) for x in (a, b))
         compute = None if ca is None or cb is None else (lambda h, ca=ca, cb=cb: op(ca(h), cb(h)))
-        return LazyScalar(op(ta, tb), compute, f"({_what(a)} {symbol} {_what(b)})", self.ctx)
+        what = f"({_what(a)} {symbol} {_what(b)})"
+        return LazyScalar(self.ctx.once(what, compute, lambda: op(_tensor(a), _tensor(b))), compute, what, self.ctx)
 
     def __add__(self, o): return self._op(o, operator.add, "+")
     def __radd__(self, o): return self._op(o, operator.add, "+", True)
@@ -105,7 +105,8 @@ class LazyScalar:
 
     def __neg__(self):
         c = self.compute
-        return LazyScalar(-self.tensor, None if c is None else (lambda h: -c(h)), f"-{self.what}", self.ctx)
+        compute, what = None if c is None else (lambda h: -c(h)), f"-{self.what}"
+        return LazyScalar(self.ctx.once(what, compute, lambda: -self.tensor), compute, what, self.ctx)
 
     def __pos__(self):
         return self
@@ -154,6 +155,16 @@ class Scalars:
     def __init__(self, hyper: dict):
         self.hyper = hyper
         self.guards: list[Guard] = []
+        self._known: dict[str, torch.Tensor] = {}
+
+    def once(self, what: str, compute, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The graph value of expression ``what``: made once where the host knows it (``compute`` is
+        not None; torch.optim computes the same expressions again for every parameter), else each time."""
+        if compute is None:
+            return make()
+        if what not in self._known:
+            self._known[what] = make()
+        return self._known[what]
 
     def input(self, tensor: torch.Tensor, key: str) -> LazyScalar:
         """Hyper-parameter ``key`` as the graph input ``tensor`` (0-dim float64)."""
@@ -297,7 +308,7 @@ def _numbers(tree):
 def _as(x, dtype: torch.dtype):
     """``x`` (a ``LazyScalar``, tensor or number) as a tensor of ``dtype``; a number stays a number."""
     if isinstance(x, LazyScalar):
-        return x.tensor.to(dtype)
+        return x.ctx.once(f"{x.what} as {dtype}", x.compute, lambda: x.tensor.to(dtype))
     if isinstance(x, torch.Tensor) and x.is_floating_point():
         return x.to(dtype)
     return x
