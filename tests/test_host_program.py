@@ -9,34 +9,15 @@ tested through ``parallelize`` with every scheduler (``test_semantics``, ``test_
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from alpa_torch.capture import capture
 from alpa_torch.core.host_program import PREFIX
-
-
-def _step(model, optimizer, batch):
-    x, y = batch
-    optimizer.zero_grad()
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optimizer.step()
-    return loss
-
-
-def _net():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-
-
-def _batch(i):
-    g = torch.Generator().manual_seed(i)
-    return torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
+from tests.test_semantics import _mlp, _xy, plain
 
 
 def test_no_operator_of_hyper_parameters_alone_stays_in_the_graph():
-    model = _net()
-    graph = capture(_step, model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), _batch(0))
+    model = _mlp()
+    graph = capture(plain, model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), _xy(0))
     host = {s.node for s in graph.inputs if s.kind == "host_scalar"}
     hoisted = [s.name for s in graph.inputs if s.name.startswith(PREFIX)]
     assert hoisted, "AdamW's 1 - lr * wd, 1 - beta1, ... are hoisted"
