@@ -422,10 +422,9 @@ def _hoist_host_scalars(gm: fx.GraphModule, ins: Inputs, functional) -> HostProg
     """``host_program.hoist`` on the traced graph: each value of hyper-parameters alone becomes a
     host-scalar input (appended last), computed by the returned program on every call."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    hoisted = hoist(gm, {ph.name: name for (kind, name), ph in zip(ins.specs, placeholders) if kind == "host_scalar"})
-    if hoisted is None:
+    program = hoist(gm, {ph.name: name for (kind, name), ph in zip(ins.specs, placeholders) if kind == "host_scalar"})
+    if program is None:
         return None
-    program, _ = hoisted
     for key, value in program.values(functional.host_scalars()).items():
         ins.add("host_scalar", key, value)
     return program

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     batch = global_batch(cfg, 0)
     feed = {"batch.0": batch[0].numpy(), "batch.1": batch[1].numpy()}
     feed.update({k: v.numpy() for k, v in graph.loss_norms(feed).items()})
-    scalars = {**functional.host_scalars(), **graph.host_values(functional.host_scalars())}  # as Engine.step adds
+    scalars = graph.host_inputs(functional.host_scalars())  # as Engine.step does
     eager_model = build_model(cfg)
     eager_opt = make_optimizer("adamw", eager_model)
     count = [0]

@@ -338,7 +338,7 @@ class Engine:
         the workers' backward and update go on while the caller prepares the next step, and a
         failure there is raised by the next call on the workers (``DeviceWorker.run_early``)."""
         microbatches = self.split(with_loss_norms(self.graph, batch, self.num_microbatches))
-        scalars = {**self.graph.host_values(scalars), **scalars}
+        scalars = self.graph.host_inputs(scalars)
         try:
             results = self.group.call_all(_step, microbatches, scalars, timeout_s=self.step_timeout_s,
                                           answer_early=switch_on(EARLY_ANSWER_ENV))

@@ -93,11 +93,11 @@ all of it), where the plan shards it: a redistribution of it to replicated is a 
 __all__ = ["GRAD_MARKER_NAME", "Ref", "StageRunner", "serialize_graph"]
 
 
-
 def host_scalar(value) -> torch.Tensor:
     """A host-scalar input as the graph reads it: a hyper-parameter (a float) as a float64 0-dim
-    tensor, a value the driver computed (``OpGraph.host_values``) as it came."""
+    tensor, a value the driver computed (``OpGraph.host_inputs``) as it came."""
     return value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)
+
 
 class StageRunner:
     """Holds one device's shards of the model state and runs the planned step."""

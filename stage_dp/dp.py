@@ -12,10 +12,10 @@ microbatches in flight grow with the stages after a stage), -1 = never. A plan i
 stages k = 0..K-1 covering 0..L-1 in order, with
 
     sum_k size[s_k] = D,   mns_k >= K-1-k,   K <= max_stages,
-    T = sum_k t_k + w * max_k t_k                (w = B - 1: Alpa eq. 2)
+    T = sum_k t_k + w * max_k t_k
 
 with ``w`` the pipeline schedule's weight of its slowest stage (``max_weight``, from
-``alpa_torch.core.schedule``; B - 1 for GPipe and 1F1B).
+``alpa_torch.core.schedule``; B - 1 for GPipe and 1F1B: Alpa eq. 2).
 
 Algorithm. For a bound t, F_t[q, l, d] (``kernels.stage_dp_table``) is the
 least sum of stage costs over slicings of layers l..L-1 into q stages on

@@ -7,7 +7,7 @@ The graph's inputs are, in this order: parameters, buffers, optimizer state,
 host scalars (the optimizers' float hyper-parameters, read on every call) and the tensor
 leaves of the batch; then the inputs computed on the driver: the loss normalisers
 (``masked_mean.py``, batch kind) and the values of hyper-parameters alone (``host.*``,
-host-scalar kind, ``host_values``). Its outputs: the loss, then the new parameters, buffers and
+host-scalar kind, ``host_inputs``). Its outputs: the loss, then the new parameters, buffers and
 optimizer state (a forward-only graph, ``capture_forward``: parameters, buffers and
 batch in, the function's tensors out, kind ``output``). Every ``call_function`` node has an ``OpNode`` record with its
 output shape and dtype, FLOPs, bytes moved and phase:
@@ -122,20 +122,20 @@ class OpGraph:
             out[name] = torch.tensor(total / num_microbatches, dtype=torch.float32)
         return out
 
-    def host_values(self, scalars: Mapping[str, float]) -> dict[str, torch.Tensor]:
-        """The host-scalar inputs computed from the hyper-parameters ``scalars`` (key -> value now):
-        the operators of hyper-parameters alone the capture took out of the step
-        (``host_program.py``)."""
+    def host_inputs(self, scalars: Mapping[str, float]) -> dict:
+        """Every host-scalar input from the hyper-parameters ``scalars`` (key -> value now): those,
+        and the values the capture took out of the step as operators of them alone
+        (``host_program.py``), computed here."""
         program = self.meta.get("host_program")
-        return program.values(scalars) if program is not None else {}
+        return {**scalars, **program.values(scalars)} if program is not None else dict(scalars)
 
     def run(self, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Execute on one device. ``values`` maps every input name to a tensor (the loss
-        normalisers, ``loss_norms``, and the ``host_values`` are computed when missing); returns
+        normalisers, ``loss_norms``, and the hoisted ``host_inputs`` are computed when missing); returns
         ``{kind/name: tensor}`` keyed like ``'loss'``, ``'param/l1.weight'``."""
         values = {**self.loss_norms(values), **values} if self.meta.get("loss_norms") else values
         hyper = {s.name: float(values[s.name]) for s in self.inputs if s.kind == "host_scalar" and s.name in values}
-        values = {**self.host_values(hyper), **values}
+        values = {**self.host_inputs(hyper), **values}
         missing = [s.name for s in self.inputs if s.name not in values]
         if missing:
             raise KeyError(f"missing graph inputs: {missing[:5]}")

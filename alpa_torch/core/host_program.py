@@ -70,10 +70,10 @@ def _hoistable(node: fx.Node, host: Mapping[str, str]) -> bool:
             and bool(node.all_input_nodes) and all(u.name in host for u in node.all_input_nodes))
 
 
-def hoist(gm: fx.GraphModule, host_inputs: Mapping[str, str]) -> tuple[HostProgram, list[fx.Node]] | None:
+def hoist(gm: fx.GraphModule, host_inputs: Mapping[str, str]) -> HostProgram | None:
     """Take the operators of host scalars alone out of ``gm`` (module docstring). ``host_inputs``:
-    placeholder name -> host scalar key. Returns the program and the new placeholders (in order,
-    named as the program's outputs), or None when there is nothing to hoist."""
+    placeholder name -> host scalar key. Returns the program, whose outputs are the new
+    placeholders in order (after every other one), or None when there is nothing to hoist."""
     key_of = dict(host_inputs)  # fx node name -> its key: a host scalar, or a step's canonical name
     canonical: dict[tuple, str] = {}  # structure -> the step computing it
     steps, hoisted = [], []
@@ -97,17 +97,16 @@ def hoist(gm: fx.GraphModule, host_inputs: Mapping[str, str]) -> tuple[HostProgr
         if any(u.name not in names for u in node.users):
             frontier.setdefault(key_of[node.name], []).append(node)
     last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
-    placeholders, outputs = [], []
+    outputs = []
     for i, (step, nodes) in enumerate(frontier.items()):
         with gm.graph.inserting_after(last):
             ph = gm.graph.placeholder(f"host_{i}")
         ph.meta["val"] = nodes[0].meta["val"]
         for node in nodes:
             node.replace_all_uses_with(ph, delete_user_cb=lambda user: user.name not in names)
-        placeholders.append(ph)
         outputs.append((f"{PREFIX}{i}", step))
         last = ph
     for node in reversed(hoisted):
         gm.graph.erase_node(node)
     gm.recompile()
-    return HostProgram(tuple(steps), tuple(outputs)), placeholders
+    return HostProgram(tuple(steps), tuple(outputs))

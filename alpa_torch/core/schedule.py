@@ -39,6 +39,7 @@ instruction's start and end time.
 
 from __future__ import annotations
 
+import abc
 import enum
 import functools
 import math
@@ -162,7 +163,7 @@ def max_in_flight(order: Sequence[Instruction | tuple[Kind, int]]) -> int:
 _REGISTRY: dict[str, PipelineSchedule] = {}
 
 
-class PipelineSchedule:
+class PipelineSchedule(abc.ABC):
     """One pipeline schedule (module docstring). A subclass sets ``name`` and writes ``order``;
     defining it registers it for ``schedule_named``."""
 
@@ -176,10 +177,10 @@ class PipelineSchedule:
     def __repr__(self) -> str:
         return f"<schedule {self.name}>"
 
+    @abc.abstractmethod
     def order(self, stage: int, num_stages: int, num_microbatches: int) -> list[tuple[Kind, int]]:
         """Stage ``stage``'s forwards and backwards, ``[(FORWARD | BACKWARD, microbatch)]``, in the order
         it runs them."""
-        raise NotImplementedError
 
     def programs(self, num_stages: int, num_microbatches: int) -> Programs:
         """Every stage's program: its order with the communication, ending with ``UPDATE``."""
