@@ -4,7 +4,7 @@ Owns the explanation of a ``ParallelPlan`` (``explain(plan) -> str``), the
 runner-up plans (``alternatives``) and the planning entry the CLI uses
 (``stage_dp.planner.make_plan_with_model``: planning with its ``StageCostModel`` kept, so
 the runner-ups reuse every ILP solution). It does not search anything new: the
-runner-ups are the same stage DP (``stage_dp.search.run_dp``) on the same priced
+runner-ups are the same stage DP (``stage_dp.tables.run_dp``) on the same priced
 stage tables (``build_tables``), re-run with forced options.
 
 Per stage k of a plan with B microbatches and step time T (the schedule's
@@ -60,7 +60,8 @@ MEMORY_TIGHT = 0.95
 # ------------------------------------------------------------------ runner-ups
 def alternatives(model, plan: ParallelPlan) -> list[dict]:
     """Runner-up plans (module docstring, 1-3), each a JSON-ready dict, fastest first."""
-    from stage_dp.search import build_tables, candidate_columns
+    from stage_dp.search import candidate_columns
+    from stage_dp.tables import build_tables
 
     opts = plan.options
     budget, schedule = plan.memory_budget_bytes, plan.schedule
@@ -93,7 +94,7 @@ def _microbatch_counts(graph, plan: ParallelPlan) -> list[int]:
     """Every B the search could try (also when the plan's B was forced); 1 only when the step couples
     its batch (BatchNorm, a pooled statistic used nonlinearly: ``coupling``)."""
     from stage_dp.coupling import batch_coupling
-    from stage_dp.search import microbatch_candidates
+    from stage_dp.tables import microbatch_candidates
 
     return [1] if batch_coupling(graph) is not None else microbatch_candidates(graph, None)
 
@@ -109,7 +110,8 @@ def _add(out, seen, tables, devices, num_stages, pipeline, sub_idx, *, label, bu
     """The DP's best plan on ``tables`` under the forced options, described, into ``out`` unless
     seen; ``bounds`` = (cost model, activation scale) where ``tables`` has bound columns."""
     from stage_dp.dp import NoFeasiblePlanError
-    from stage_dp.search import bound_layers, run_dp, step_time
+    from stage_dp.search import bound_layers
+    from stage_dp.tables import run_dp, step_time
 
     try:
         res = run_dp(tables, devices, num_stages=num_stages, max_stages=None if pipeline else 1,

@@ -161,7 +161,8 @@ def forced_plan(cost_model, stages, num_microbatches: int = 1, schedule: str = "
     ``bench/plan_gpt.py`` does for its manual plans; the plan is exactly what the
     search would emit had it chosen these stages.
     """
-    from stage_dp.search import build_plan, build_tables, candidate_columns
+    from stage_dp.search import build_plan, candidate_columns
+    from stage_dp.tables import build_tables
 
     budget = float(cost_model.cluster.device.memory_bytes)
     scale = 1.0 / num_microbatches
@@ -280,8 +281,9 @@ class Planner:
         """The plan ``parallelize(train_step, cluster=self.cluster)`` searches (default layering and
         options); with ``min_microbatch`` > 1 only microbatch counts B leaving at least that many
         samples per microbatch are searched (the best of one search per allowed B)."""
-        from stage_dp.search import microbatch_candidates, plan
+        from stage_dp.search import plan
         from stage_dp.stage_costs import batch_size
+        from stage_dp.tables import microbatch_candidates
 
         if min_microbatch <= 1:
             return plan(self.graph, self.cluster)

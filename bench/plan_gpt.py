@@ -57,8 +57,9 @@ from alpa_torch.core.cluster import Cluster, GiB
 from alpa_torch.core.errors import InfeasibleMemoryError
 from alpa_torch.zoo import GPT, gpt_config, make_optimizer, train_step
 from stage_dp import assign_layers
-from stage_dp.search import build_tables, candidate_columns, microbatch_candidates, plan, step_time
+from stage_dp.search import candidate_columns, plan
 from stage_dp.stage_costs import StageCostModel
+from stage_dp.tables import build_tables, microbatch_candidates, step_time
 
 MODELS = ("1.3b", "2.6b", "6.7b", "15b", "39b")
 DEVICES = {"v100": dict(device="v100-16gb", intra="nvlink2", inter="eth-25g"),

@@ -14,6 +14,7 @@ Modules, bottom-up (``docs/architecture.md`` §3 says more of each):
 - ``stage_costs``    ``StageCostModel``: one ILP per distinct layer and mesh, stitched into stage costs
 - ``memory_sim``     the peak memory of a planned stage, simulated as the runtime allocates
 - ``coupling``       whether microbatches would change the step; how microbatch losses add up
+- ``tables``         every candidate stage priced for one microbatch count: the stage DP's inputs
 - ``search``         ``plan()``: the DP over microbatch counts, refitted until the simulated peak fits
 - ``planner``        ``make_plan()`` and ``plan_forward()``: the step's rules applied, then the search
 

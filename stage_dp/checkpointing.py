@@ -18,7 +18,7 @@ persistent bytes P, recomputing the layers R costs
 Two steps, as Colossal-Auto orders them (after the sharding is fixed):
 
 1. the stage DP gets, next to every mesh column, a "recompute every layer"
-   twin (``search.build_tables``): a stage that fits only with checkpointing
+   twin (``tables.build_tables``): a stage that fits only with checkpointing
    becomes a candidate with its true time and memory;
 2. for each stage of the chosen plan that uses such a twin, ``choose_layers``
    solves the 0/1 choice exactly (a Rotor-style chain: an integer program in

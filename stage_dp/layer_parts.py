@@ -62,7 +62,7 @@ def fixed_fb_parts(instance, choice, graph, ops: set[str], builder, mesh: cm.Mes
     ``getitem`` nor a gradient marker), and α of every collective on the cheapest reshard
     path (``cost_model.reshard_path``) of each forward/backward edge the choice pays for,
     but those at ``skip`` (as ``phase_parts``). Both are per microbatch whatever its size
-    (``search.build_tables``)."""
+    (``tables.build_tables``)."""
 
     ran = 0
     for name in ops:
@@ -97,7 +97,7 @@ def accumulate_s(instance, choice, ops: set[str], builder, mesh: cm.MeshCost, fx
     ``choice``: the pipeline runtime keeps one sum per gradient marker and adds each later
     microbatch's local summand to it (``runtime.pipeline.PipelineRunner._grad``), an
     elementwise add that reads two summands and writes one (``cost_model.operator_s``).
-    Paid B - 1 times a step (``search.build_tables``). The local summand is the marker's
+    Paid B - 1 times a step (``tables.build_tables``). The local summand is the marker's
     chosen spec on this device (a partial gradient is full-sized)."""
     out = []
     for i, node in enumerate(instance.nodes):

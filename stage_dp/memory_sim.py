@@ -1,6 +1,6 @@
 """Peak memory per device of a planned stage, simulated the way the runtime allocates it.
 
-The stage DP's memory rule (``search.max_n_succ``) is fast and coarse: parameters,
+The stage DP's memory rule (``tables.max_n_succ``) is fast and coarse: parameters,
 optimizer state and gradients plus the forward values the backward reads, times the
 microbatches in flight. The runtime holds more at its peak (the optimizer update of a
 functional optimizer makes the new state while the old one is still held; the loss and

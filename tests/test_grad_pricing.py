@@ -96,7 +96,7 @@ def test_a_stage_pays_the_gradient_accumulation_of_every_microbatch_after_the_fi
     """A pipeline adds each later microbatch's local gradient summands into the step's sums
     (``runtime.pipeline.PipelineRunner._grad``): per gradient marker one add reading two
     summands and writing one, at the marker's planned spec; B - 1 of them a step."""
-    from stage_dp.search import build_tables
+    from stage_dp.tables import build_tables
 
     model, cfg, mesh, rc, sharding, last = _stage(graph, (1, 2))
     fx = {n.name: n for n in graph.gm.graph.nodes}

@@ -11,7 +11,7 @@ only BERT classification runs by default; the others are ``slow``
 (``python -m pytest -m slow tests/test_hf.py``). GPT-2 also runs by default in
 ``test_runtime.test_automatic_plan_matches_eager``. BERT-MLM and T5 tie weights (the
 decoder to the word embeddings, T5's shared embedding): the stage DP keeps each tied
-weight's readers in one stage (``stage_dp.search.tied_spans``); T5 also holds a graph
+weight's readers in one stage (``stage_dp.tables.tied_spans``); T5 also holds a graph
 constant (``get_attr``) that every pipeline stage makes itself.
 """
 

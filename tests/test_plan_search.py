@@ -24,8 +24,9 @@ from alpa_torch.core.plan import ParallelPlan, tile_submeshes
 from alpa_torch.zoo import GPT, GPTConfig, _lm_batch, train_step
 from stage_dp import assign_layers, search
 from stage_dp.checkpointing import Checkpointing
-from stage_dp.search import plan, planned_submeshes, tied_spans
+from stage_dp.search import plan, planned_submeshes
 from stage_dp.stage_costs import StageCostModel
+from stage_dp.tables import step_time, tied_spans
 
 CLUSTERS = {
     "local1x4": lambda: Cluster.local(1, 4),
@@ -270,7 +271,7 @@ def test_lean_ilps_are_solved_only_where_the_best_plan_needs_them(graph, layers,
 
     assert shape(res, tables) == shape(res_all, tables_all)
     assert any(variant == "lean" for *_, variant in shape(res, tables))
-    assert search.step_time(tables, res.stages) == pytest.approx(search.step_time(tables_all, res_all.stages),
+    assert step_time(tables, res.stages) == pytest.approx(step_time(tables_all, res_all.stages),
                                                                  rel=1e-12)
     assert not any(tables.columns[s][c].bound and not lazy.solved(l, tables.columns[s][c], 1 / 8)
                    for i, j, s, c in res.stages for l in range(i, j + 1))
@@ -405,7 +406,8 @@ def test_fixed_costs_are_paid_by_every_microbatch(graph, models):
     import operator
 
     from intra_ilp.stage import GRAD_MARKER_NAME
-    from stage_dp.search import build_tables, candidate_columns
+    from stage_dp.search import candidate_columns
+    from stage_dp.tables import build_tables
 
     model = models["local2x2"]
     cols = candidate_columns(model, model.configs, math.inf, 0.5, lean_all=False)
