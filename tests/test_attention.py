@@ -18,6 +18,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from alpa_torch import Cluster
 from alpa_torch.capture import capture
@@ -155,6 +156,45 @@ def test_a_mask_is_prepared_for_memory_efficient_attention_as_eager_prepares_it(
     assert (bias.data_ptr() == mask.data_ptr()) == (tk % 8 == 0)
     assert torch.equal(efficient_bias(mask[0, 0], q, k), mask[0, 0].expand(2, 4, 5, tk))
     assert efficient_bias(None, q, k) is None
+
+
+@pytest.mark.parametrize("kind", ["flash", "efficient-mask", "efficient-fp32", "flash-gqa"])
+def test_the_cuda_kernels_are_called_as_their_schemas_and_meta_functions_ask(kind):
+    """The CUDA branches of ``alpa::attention`` and its backward, run on the meta device (the GPU
+    tests run them on CUDA): every argument is of the kind the kernel's schema takes (a dense
+    batch's cumulative sequence lengths are None: a tensor there selects the variable-length
+    kernel) and every result has the shape eager's kernels give."""
+    from alpa_torch.core.attention_op import attention, attention_backward
+
+    dtype = torch.float32 if kind == "efficient-fp32" else torch.bfloat16
+    b, h, t, d = 2, 4, 12, 64
+    kv = 2 if kind.endswith("gqa") else h
+    q, k, v = (torch.empty(b, n, t, d, device="meta", dtype=dtype) for n in (h, kv, kv))
+    mask = torch.empty(b, 1, t, t, device="meta", dtype=dtype) if kind == "efficient-mask" else None
+    gqa = kind.endswith("gqa")
+    with _Calls() as calls:
+        out, lse = attention._init_fn(q, k, v, mask, 0.0, mask is None, None, gqa)
+        dq, dk, dv = attention_backward._init_fn(torch.empty_like(out), q, k, v, out, lse, mask, 0.0, mask is None,
+                                                 None, gqa)
+    assert out.shape == q.shape and lse.shape == (b, h, t) and lse.dtype == torch.float32
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    flash = [args for op, args in calls if op is torch.ops.aten._scaled_dot_product_flash_attention_backward.default]
+    assert len(flash) == kind.startswith("flash")
+    for args in flash:
+        assert args[6] is None and args[7] is None, "cumulative sequence lengths of a dense batch"
+
+
+class _Calls(TorchDispatchMode):
+    """The aten operators called under it, with their arguments."""
+
+    def __enter__(self):
+        self.calls = []
+        super().__enter__()
+        return self.calls
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func, args))
+        return func(*args, **(kwargs or {}))
 
 
 def test_flops_are_attentions_own_and_causal_halves_them():

@@ -102,9 +102,12 @@ def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
     kr, vr = _repeat_kv(q, k, v, enable_gqa)
     t = q.shape[-2]
     if _cuda_flash(q, attn_mask, dropout_p):
-        empty = q.new_empty(0, dtype=torch.int64)
+        # A dense batch has no cumulative sequence lengths (the forward returns None for them; a
+        # tensor there asks for the variable-length kernel); the Philox seed and offset are read
+        # only with dropout.
+        unused = q.new_empty((), dtype=torch.int64)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            grad_out, q, kr, vr, out, lse, empty, empty, t, kr.shape[-2], dropout_p, is_causal, empty, empty,
+            grad_out, q, kr, vr, out, lse, None, None, t, kr.shape[-2], dropout_p, is_causal, unused, unused,
             scale=scale)
     else:
         padded = lse.new_zeros((*lse.shape[:-1], 32 * math.ceil(t / 32)))
