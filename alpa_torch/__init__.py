@@ -48,7 +48,10 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'alpa_torch' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except AttributeError as exc:  # raised inside the module: `from alpa_torch import x` would hide it
+        raise ImportError(f"importing {module} for alpa_torch.{name} failed: {exc}") from exc
     globals()[name] = value
     return value
 

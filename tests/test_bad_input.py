@@ -412,3 +412,15 @@ def test_a_batch_that_does_not_split_names_the_entry():
     step = parallelize(plain, CLUSTER, num_microbatches=3, num_stages=2)
     with pytest.raises((BatchSplitError, PlanError), match=r"batch\[0\]|divide"):
         step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), _xy(0))
+
+
+def test_a_failing_lazy_import_names_its_cause(tmp_path, monkeypatch):
+    """``from alpa_torch import x`` loads ``x``'s module lazily; an AttributeError raised inside it (an
+    older torch without an API the module uses, say) is reported as itself, not as 'cannot import name'."""
+    import alpa_torch
+
+    (tmp_path / "needs_newer_torch.py").write_text("import torch\ntorch.no_such_api_of_this_version\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(alpa_torch._EXPORTS, "needs_newer", "needs_newer_torch")
+    with pytest.raises(ImportError, match="needs_newer_torch.*no_such_api_of_this_version"):
+        from alpa_torch import needs_newer  # noqa: F401

@@ -20,5 +20,8 @@ from . import attention_op
 
 aten = torch.ops.aten
 
+if not hasattr(_pointwise_ops, "_register_single_dim_pointwise"):  # e.g. a GPU image's older torch on PYTHONPATH
+    raise ImportError(f"alpa-torch needs torch >= 2.13 (its DTensor sharding-rule registration); this Python has "
+                      f"torch {torch.__version__}. Fix: pip install 'torch>=2.13'.")
 _pointwise_ops._register_single_dim_pointwise(aten.copy.default, _pointwise_ops._ALL_PARTIAL_BINARY_PRESERVING_RULES)
 attention_op.register_rules()
