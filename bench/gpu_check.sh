@@ -32,4 +32,4 @@ log="$out/gpu_check_${gpu}_${day}.log"
 timeout 200 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --timeout 180 2>&1 | tee -a "$log" | tail -15
 timeout 370 python3 bench/one_device.py --device cuda --dtype bfloat16 --workloads llama1b --lengths 2048,8192 \
   --systems eager,parallelize,compile --steps 5 --warmup 2 --timeout 150 \
-  --out "$out/one_device_${gpu}_${day}.jsonl" 2>&1 | tee -a "$log" | cut -c1-400
+  --out "$out/gpu_one_device_${gpu}_${day}.jsonl" 2>&1 | tee -a "$log" | cut -c1-400
