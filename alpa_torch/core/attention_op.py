@@ -86,8 +86,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout
 
 @attention.register_fake
 def _(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-    return out, q.new_empty(q.shape[:-1], dtype=torch.float32)
+    # The operator itself on fake tensors: each kernel's own meta function gives the shapes and the
+    # strides that kernel gives (its output follows the query's layout), as compiled code checks.
+    return attention._init_fn(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 @torch.library.custom_op(BACKWARD_OP, mutates_args=())
@@ -126,7 +127,7 @@ def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
 
 @attention_backward.register_fake
 def _(grad_out, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return attention_backward._init_fn(grad_out, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 def _setup_context(ctx, inputs, output) -> None:
