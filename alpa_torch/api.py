@@ -101,7 +101,7 @@ class ParallelStep(ResilientStep):
                  checkpoint_dir: str | None = None, checkpoint_every: int = 1, tune: bool | None = None,
                  init_fn: Callable[[torch.nn.Module], None] | None = None, weights: str | None = None,
                  host_timeout_s: float = 60.0, trace: bool = False, driver_state_limit_bytes: float | None = None,
-                 **option_fields: Any):
+                 compile: bool = False, **option_fields: Any):
         """See ``parallelize``; ``option_fields``: ``PlanOptions``'s fields (or ``options``)."""
         check_reliability_options(max_restarts, checkpoint_dir, checkpoint_every, host_timeout_s)
         functools.update_wrapper(self, train_step)  # the decorated step keeps its name and docstring
@@ -117,7 +117,7 @@ class ParallelStep(ResilientStep):
             raise TypeError(f"parallelize: {exc}. Its options are PlanOptions's fields "
                             f"({', '.join(f.name for f in dataclasses.fields(PlanOptions))}), plan, progress, "
                             "precision, plan_cache, max_restarts, checkpoint_dir, checkpoint_every, host_timeout_s, "
-                            "tune, init_fn, weights, trace, driver_state_limit_bytes") from None
+                            "tune, init_fn, weights, trace, driver_state_limit_bytes, compile") from None
         self.tune = tuner.enabled(tune)
         self.tuning: list[dict] = []
         """The candidates of measured plan selection (``alpa_torch.tune.Candidate.to_dict``), in order."""
@@ -127,6 +127,10 @@ class ParallelStep(ResilientStep):
             raise TypeError(f"parallelize: trace={trace!r} must be True or False")
         self.trace = trace
         """Record what every worker does in each step (``measured_trace``)."""
+        if not isinstance(compile, bool):
+            raise TypeError(f"parallelize: compile={compile!r} must be True or False")
+        self.compile = compile
+        """Workers compile their programs' runs of local kernels with Inductor (``runtime/regions.py``)."""
         if driver_state_limit_bytes is not None and not (isinstance(driver_state_limit_bytes, (int, float))
                                                          and driver_state_limit_bytes >= 0):
             raise TypeError(f"parallelize: driver_state_limit_bytes={driver_state_limit_bytes!r} must be a number of "
@@ -383,7 +387,7 @@ class ParallelStep(ResilientStep):
     def _deploy(self):
         self.deployments += 1
         engine, self._recomputed = deploy_plan(self.group, self.plan, self.run_graph, self.cluster, self._seed,
-                                               self._combine)
+                                               self._combine, self.compile)
         if self.trace:
             engine.record(True)
         return engine
@@ -684,7 +688,9 @@ def parallelize(train_step: Callable | Cluster | None = None, cluster: Cluster |
     plan cache; ``step.tuning`` lists them; ``alpa_torch.tune``), ``trace`` (default False:
     True records when each worker ran each forward, backward, update, transfer and gradient
     reduction of a step; ``step.measured_trace(path)`` gives the last step's as a Perfetto
-    trace). The default cluster is ``Cluster.local(1, 2)``.
+    trace), ``compile`` (default False: True compiles each worker's runs of local kernels with
+    Inductor after the first step; a run that fails to compile runs as before, logged;
+    ``runtime/regions.py``). The default cluster is ``Cluster.local(1, 2)``.
 
     Mixed precision: ``precision`` is 'fp32' (default), 'bf16' or 'fp16'. With 'bf16' /
     'fp16' the step's forward and loss run under ``torch.autocast`` (matmuls in the low

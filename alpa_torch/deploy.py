@@ -16,8 +16,9 @@ from alpa_torch.core.plan import ParallelPlan
 
 
 def deploy_plan(group, plan: ParallelPlan, graph: OpGraph, cluster: Cluster, seed: int = 0,
-                combine: str = "mean") -> tuple[Any, dict[str, str]]:
-    """Deploy ``plan`` on the workers of ``group``: ``(engine, copies)``.
+                combine: str = "mean", compile: bool = False) -> tuple[Any, dict[str, str]]:
+    """Deploy ``plan`` on the workers of ``group``: ``(engine, copies)``; with ``compile``, the workers
+    compile their programs' runs of local kernels (``runtime/regions.py``).
 
     ``graph`` is the step on one microbatch (``ParallelStep._runtime_graph``). The
     layers the plan recomputes are rewritten first (``remat.rematerialize``); the
@@ -33,7 +34,7 @@ def deploy_plan(group, plan: ParallelPlan, graph: OpGraph, cluster: Cluster, see
     stages = [StageDeployment(s.device_ids, s.logical_mesh, extend_sharding(s.sharding, copies))
               for s in plan.stages]
     engine = Engine(group, graph, stages, stage_of, plan.num_microbatches, plan.schedule, cluster=cluster,
-                    seed=seed, combine=combine)
+                    seed=seed, combine=combine, compile=compile)
     return engine, copies
 
 

@@ -34,7 +34,10 @@ import keyword
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import torch
+
 from .program import CALL, GET_ATTR, GETITEM, MARKER, OUTPUT, Program, Ref, Slot
+from .regions import Region, region_io, split
 
 
 class Layout(NamedTuple):
@@ -46,6 +49,8 @@ class Layout(NamedTuple):
     args: tuple
     kwargs: dict
     donor: bool = False
+    op: Any = None
+    """The operator overload ``fn`` is the kernel of (what a compiled region calls), if known."""
 
 
 def _has_slot(value) -> bool:
@@ -89,40 +94,92 @@ class _Writer:
 
 def generate(program: Program, layout: Callable[[Any], Layout | None], general: Callable[[Any], Callable[[dict], Any]],
              marker: Callable, collect: Callable, constant: Callable,
-             watch: dict[str, Callable[[Any], None]] | None = None) -> Callable[[dict, Any], list | None]:
+             watch: dict[str, Callable[[Any], None]] | None = None,
+             regions: Callable[[Any], bool] | None = None) -> Callable[[dict, Any], list | None]:
     """``fn(env, on_grad)`` running ``program`` (module docstring).
 
     ``layout(step)``: the step's direct call, or None; ``general(step)``: ``env -> value`` for the
     others; ``marker(name, src, env, on_grad)``, ``collect(names, env)`` and ``constant(step)``: the
     runner's handling of gradient markers, bucket collections and graph constants;
-    ``watch[name](value)``: called with value ``name`` right after the step computing it."""
+    ``watch[name](value)``: called with value ``name`` right after the step computing it.
+    ``regions``: compile runs of local kernels (``regions.py``); ``regions(marker)`` says whether a
+    gradient marker only names its value (``env[name] = value``: it may sit inside a run), else it
+    ends the run. Watched values' hooks run after their region."""
     watch = watch or {}
     w = _Writer()
-    for st in program.steps:
+    layouts = {st.name: layout(st) for st in program.steps if st.kind == CALL}
+    spans = {}
+    if regions is not None:
+        def fusable(st) -> bool:
+            lay = layouts.get(st.name)
+            return st.kind in (GETITEM, GET_ATTR) or (
+                lay is not None and not lay.donor and isinstance(lay.op, torch._ops.OpOverload))
+        spans = dict(split(program.steps, fusable, regions))
+    steps, i, made = program.steps, 0, []
+    while i < len(steps):
+        st = steps[i]
         if st.before:
             w.emit(f"collect({st.before!r}, env)")
-        if st.kind == CALL:
-            lay = layout(st)
-            value = w.call(lay, st.inputs) if lay is not None else f"{w.const(general(st))}(env)"
-            w.emit(f"env[{st.name!r}] = {value}")
-        elif st.kind == GETITEM:
-            w.emit(f"env[{st.name!r}] = env[{st.inputs[0]!r}][{w.expr(st.target, ())}]")
-        elif st.kind == MARKER:
-            w.emit(f"marker({st.name!r}, {st.inputs[0]!r}, env, on_grad)")
-        elif st.kind == GET_ATTR:
-            w.emit(f"env[{st.name!r}] = constant({w.const(st)})")
-        elif st.kind == OUTPUT:
+        if i in spans:
+            end = spans[i]
+            made.append(_region(w, steps, i, end, layouts, general, constant))
+            w.emit(f"R[{len(made) - 1}](env)")
+            for later in steps[i:end]:  # hooks of the region's values, in order
+                if later.name in watch and later.kind in (CALL, GETITEM):
+                    w.emit(f"{w.const(watch[later.name])}(env[{later.name!r}])")
+            i = end
+            continue
+        if st.kind == OUTPUT:
             items = [f"env[{a!r}]" if isinstance(a, Ref) else w.const(a) for a in st.target]
             w.emit(f"return [{', '.join(items)}]")
             break
+        _emit_step(w, st, layouts, general, constant)
+        if st.kind == MARKER:
+            w.emit(f"marker({st.name!r}, {st.inputs[0]!r}, env, on_grad)")
         if st.name in watch and st.kind in (CALL, GETITEM):
             w.emit(f"{w.const(watch[st.name])}(env[{st.name!r}])")
         for name in st.free:
             w.emit(f"pop({name!r}, None)")
+        i += 1
     source = "def run(env, on_grad):\n    pop = env.pop\n" + "\n".join(w.lines) + "\n    return None\n"
-    scope = {"C": w.consts, "marker": marker, "collect": collect, "constant": constant}
+    scope = {"C": w.consts, "R": made, "marker": marker, "collect": collect, "constant": constant}
     exec(compile(source, "<alpa_torch program>", "exec"), scope)  # our own generated source
-    return scope["run"]
+    run = scope["run"]
+    run.regions = made
+    return run
+
+
+def _emit_step(w: _Writer, st, layouts: dict, general: Callable, constant: Callable, inside: bool = False) -> None:
+    """The line computing a kernel's, ``getitem``'s or constant's value into ``env`` (``inside`` a region,
+    a marker's too)."""
+    if st.kind == CALL:
+        lay = layouts[st.name]
+        value = w.call(lay, st.inputs) if lay is not None else f"{w.const(general(st))}(env)"
+        w.emit(f"env[{st.name!r}] = {value}")
+    elif st.kind == GETITEM:
+        w.emit(f"env[{st.name!r}] = env[{st.inputs[0]!r}][{w.expr(st.target, ())}]")
+    elif st.kind == GET_ATTR:
+        w.emit(f"env[{st.name!r}] = constant({w.const(st)})")
+    elif st.kind == MARKER and inside:  # a marker that only names its value
+        w.emit(f"env[{st.name!r}] = env[{st.inputs[0]!r}]")
+
+
+def _region(w: _Writer, steps: list, start: int, end: int, layouts: dict, general: Callable,
+            constant: Callable) -> Region:
+    """``steps[start:end]`` as a ``Region``; its uncompiled form is generated like the program."""
+    inner = _Writer()
+    inner.consts = w.consts
+    for st in steps[start:end]:
+        _emit_step(inner, st, layouts, general, constant, inside=True)
+        for name in st.free:
+            inner.emit(f"pop({name!r}, None)")
+    source = "def eager(env):\n    pop = env.pop\n" + "\n".join(inner.lines) + "\n"
+    scope = {"C": w.consts, "constant": constant}
+    exec(compile(source, f"<alpa_torch region at step {start}>", "exec"), scope)  # our own generated source
+    inputs, outputs, freed = region_io(steps, start, end)
+    members = steps[start:end]
+    consts = {st.name: (lambda st=st: constant(st)) for st in members if st.kind == GET_ATTR}
+    return Region(start, members, layouts, consts, inputs, outputs, freed, scope["eager"])
 
 
 __all__ = ["Layout", "generate"]

@@ -104,9 +104,10 @@ class StageRunner:
 
     def __init__(self, records: list[tuple], value_specs: dict[str, str], input_specs: dict[str, list[str]],
                  io: dict, mesh: DeviceMesh, bucket_cap_bytes: int = BUCKET_CAP_BYTES, seed: int = 0,
-                 donate_state: bool = True):
+                 donate_state: bool = True, compile_regions: bool = False):
         """``donate_state``: a step may write into state memory the runner owns (False: an evaluation
-        reading state it does not own, ``evaluation.py``)."""
+        reading state it does not own, ``evaluation.py``). ``compile_regions``: once settled, runs of
+        local kernels are compiled by Inductor (``regions.py``)."""
         self.mesh = mesh
         self.device = mesh_device(mesh)
         """Where this device's tensors live: the mesh's device type (``cuda``: the worker's GPU)."""
@@ -146,8 +147,10 @@ class StageRunner:
         self.replay: dict[str, StepReplay] = {}
         self.meta: dict[str, Any] = {}
         """Name -> ``ValueMeta`` of every value seen while learning."""
-        self.donate_enabled = switch_on(DONATE_ENV)
-        """Whether operators may run in place on dead inputs (``donation.py``); set before the first step."""
+        self.compile_regions = compile_regions
+        self.donate_enabled = switch_on(DONATE_ENV) and not compile_regions
+        """Whether operators may run in place on dead inputs (``donation.py``; compiled regions reuse memory
+        their own way); set before the first step."""
         self._owned: set[str] = set()
         """State nodes whose tensors this runner owns outright (state memory a step may donate)."""
         self._foreign: set[str] = set()
@@ -437,9 +440,13 @@ class StageRunner:
         returns whether it took the value (then it is not put in ``env``). Without it,
         bucketed gradients go to ``self.buckets``."""
         if self.local or self.replaying:  # every operator's way of running is settled: straight-line code
-            if program.fast is None:
+            if program.fast is None or program.fast.on_grad != (on_grad is not None):
+                named = on_grad is None  # a marker's hook only names the value unless a pipeline or bucket takes it
+                alias = (lambda st: named and st.name not in self.reductions) if self.compile_regions else None
                 program.fast = generate(program, self._layout, self._general, self._marker, self._collect,
-                                        self.constant, {self._loss_node: self._loss_ready} if self._loss_node else None)
+                                        self.constant, {self._loss_node: self._loss_ready} if self._loss_node else None,
+                                        alias)
+                program.fast.on_grad = on_grad is not None
             return program.fast(env, on_grad)
         learning = self.learning and self.replay_enabled  # metadata for the replay: only when learning one
         call = self._call_learn if self.replay_enabled else self._call_dist
@@ -561,7 +568,8 @@ class StageRunner:
         if (st.donate is not None and op is st.target and args and isinstance(args[0], Slot)
                 and st.inputs[args[0].i] == st.inputs[st.donate.slot]):
             donor = self._donor(st, kernel)
-        return Layout(donor, args, kwargs, donor=True) if donor is not None else Layout(kernel, args, kwargs)
+        return Layout(donor, args, kwargs, donor=True) if donor is not None else Layout(kernel, args, kwargs, op=op)
+
 
     def _general(self, st) -> Callable[[dict], Any]:
         """``env -> value`` of an operator the generated program does not call directly."""

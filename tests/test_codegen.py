@@ -79,3 +79,82 @@ def test_a_watched_value_reaches_its_hook_when_computed():
     out = run({"x_1": x}, None)
     i = seen.index(loss)
     assert seen[i + 1] == ("watched", float(out[0])) and "exp" in seen[i + 2]
+
+
+def _program_of(f, *args):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from runtime.program import compile_program, record_target, serialize_graph
+
+    gm = make_fx(f)(*args)
+    records = [(op, name, record_target(t) if op == "call_function" else t, a, k, i)
+               for op, name, t, a, k, i in serialize_graph(gm)]
+    return compile_program(records, "alpa.grad"), [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _regions_run(f, args, general_ops=()):
+    """``f``'s program generated with compiled regions; operators in ``general_ops`` run through the
+    runner's per-operator function (they split the program)."""
+    from runtime.codegen import Layout, generate
+
+    program, inputs = _program_of(f, *args)
+
+    def layout(st):
+        if st.target in general_ops:
+            return None
+        a, k = st.layout()
+        return Layout(st.target._op, a, k, op=st.target)
+
+    def general(st):
+        def call(values):
+            a, k = st.resolve([values[x] for x in st.inputs])
+            return st.target(*a, **k)
+        return call
+
+    run = generate(program, layout, general, None, None, None, regions=lambda st: True)
+    return run, inputs, program
+
+
+def test_compiled_regions_run_like_the_records():
+    """``generate(..., regions=...)``: runs of direct kernels become ``regions.Region``s, split where
+    the runner runs an operator itself; the first call runs them as written and compiles them, the
+    next runs Inductor's code. Tuple values (``split``'s) cross a region's border as their elements;
+    outputs equal eager's and every other value is gone from the environment."""
+    def f(x, w):
+        y = torch.cat([x, x * 2], dim=1)
+        a, b = torch.split(y @ w, 3, dim=0)
+        c = torch.relu(a) + 1.0
+        return c.sum(dim=1, keepdim=True), torch.tanh(b) * 2.0, 7
+
+    x, w = torch.randn(6, 4), torch.randn(8, 5)
+    run, inputs, program = _regions_run(f, (x, w), general_ops=(torch.ops.aten.relu.default,))
+    assert len(run.regions) == 2  # the kernels before relu, and after it
+    want = f(x, w)
+    for _ in range(2):  # as written (and compiled), then compiled
+        env = dict(zip(inputs, (x, w)))
+        out = run(env, None)
+        torch.testing.assert_close(out[0], want[0])
+        torch.testing.assert_close(out[1], want[1])
+        assert out[2] == 7 and set(env) == {a for a in program.steps[-1].target if isinstance(a, str)}
+    assert all(r.compiled is not None and r.failed is None for r in run.regions)
+
+
+def test_a_region_that_fails_to_compile_runs_as_written(monkeypatch, caplog):
+    """Compiling fails (here Inductor is made to raise): the region says why, in one log line, and
+    runs its kernels one by one from then on, with the same results."""
+    import torch._inductor.compile_fx as inductor
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no C++ compiler\nmore detail")
+
+    monkeypatch.setattr(inductor, "compile_fx", refuse)
+    x = torch.randn(5, 3)
+    run, inputs, _ = _regions_run(lambda x: (torch.sin(x) * x).sum(), (x,))
+    with caplog.at_level("WARNING", logger="runtime.regions"):
+        for _ in range(2):
+            out = run(dict(zip(inputs, (x,))), None)
+            torch.testing.assert_close(out[0], (torch.sin(x) * x).sum())
+    (region,) = run.regions
+    assert region.compiled is None and region.failed == "RuntimeError: no C++ compiler"
+    assert [r.getMessage() for r in caplog.records] == [
+        "region at step 1 (3 steps) runs uncompiled: RuntimeError: no C++ compiler"]

@@ -46,10 +46,12 @@ def _state(model, functional):
     return {k: v.detach().numpy() for k, v in values.items()}
 
 
-def run_case(name, cluster, mesh, opt="adamw", steps=3, force=None, probe=None, build=None, batch_fn=None):
+def run_case(name, cluster, mesh, opt="adamw", steps=3, force=None, probe=None, build=None, batch_fn=None,
+             compile=False):
     """``probe``: optional ``{"install": fn, "read": fn}`` worker functions (``group.call_all``),
     installed before the first step; what ``read`` returns per rank goes to ``probe["result"]``.
-    ``build()`` / ``batch_fn(seed)``: a model and batches other than zoo entry ``name``'s."""
+    ``build()`` / ``batch_fn(seed)``: a model and batches other than zoo entry ``name``'s.
+    ``compile``: the workers compile their runs of local kernels (``runtime/regions.py``)."""
     from runtime.engine import Engine
     from runtime.group import WorkerGroup
 
@@ -61,7 +63,7 @@ def run_case(name, cluster, mesh, opt="adamw", steps=3, force=None, probe=None, 
     sharding = solve_stage(graph, mesh, force=force)
     functional = OptimizerSet((opt2,), {id(p): n for n, p in model.named_parameters()})
     with WorkerGroup.start(cluster) as group:
-        engine = Engine(group, graph, sharding)
+        engine = Engine(group, graph, sharding, compile=compile)
         engine.load_state(_state(model, functional))
         if probe is not None:
             group.call_all(probe["install"])

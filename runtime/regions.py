@@ -1,0 +1,189 @@
+"""Compiled regions: runs of a device's program that are local kernels alone, compiled by Inductor.
+
+Once every operator's way of running is settled (``codegen.py``), most of a device's step is
+local kernels on local tensors: on one device all of it, on a sharded mesh every operator whose
+inputs arrive as its rule wants them. Between them stand what only the runner can do: a
+redistribution or DTensor call, a random operator (seeded per device, ``rng.py``), a gradient
+handed to its bucket (its reduction starts there: a region ends before it, so the overlap stays),
+a bucket's result collected. ``split`` cuts the program at those; each maximal run of local
+kernels (with the ``getitem``s and graph constants between them) becomes a ``Region``.
+
+A region is an FX graph of the kernels' operator overloads, its inputs the values it reads from
+before it, its outputs the values read after it. On its first call it is compiled with
+``torch._inductor.compile_fx.compile_fx`` on the real inputs (Inductor: C++ on CPU, Triton on
+CUDA; Inductor's own on-disk caches make a second run of the same program compile nothing new)
+and from then on runs the compiled code. A region that fails to compile runs its kernels one by
+one as before, with one log line naming the reason; so does every region where ``compile`` is
+off. A value a region produces and no later step reads stays inside it: Inductor decides its
+memory.
+
+What a region never holds: a step that writes into a dead input (``donation.py``: the compiled
+code decides its own buffer reuse, so a compiling runner turns donation off), a gradient marker
+whose hook does more than name the value (a bucket's, a pipeline's accumulation), a watched
+value's hook (run right after the region: the loss answers when its region ends).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx
+
+from .program import CALL, GET_ATTR, GETITEM, MARKER, Slot
+
+log = logging.getLogger(__name__)
+
+
+class Region:
+    """Steps ``steps`` of a program as one compiled function (module docstring).
+
+    ``inputs``: names read from the environment; ``outputs``: names written to it; ``freed``:
+    inputs whose last reader is inside (dropped from the environment after the call);
+    ``eager(env)``: the steps run one by one (the first call, which also shows the values' kinds,
+    and the fallback). A value that is a tuple or list of tensors (a multi-output operator's)
+    crosses the compiled function's border as its elements."""
+
+    def __init__(self, index: int, steps: list, layouts: dict[str, Any], constants: dict[str, Callable],
+                 inputs: tuple[str, ...], outputs: tuple[str, ...], freed: tuple[str, ...],
+                 eager: Callable[[dict], None]):
+        self.index, self.steps, self.layouts, self.constants = index, steps, layouts, constants
+        self.inputs, self.outputs, self.freed, self.eager = inputs, outputs, freed, eager
+        self.compiled: Callable | None = None
+        self.failed: str | None = None
+        """Why compiling failed (the region then runs eagerly), or None."""
+        self.compile_s = 0.0
+        self._in_kinds: list[type | None] = []
+        self._out_kinds: list[tuple[type, int] | None] = []
+
+    def __call__(self, env: dict) -> None:
+        if self.compiled is None:
+            if self.failed is None:  # the first call: run as written, then compile on what it saw
+                args = [env[a] for a in self.inputs]
+                self.eager(env)
+                self._compile(args, [env[name] for name in self.outputs])
+                return
+            self.eager(env)
+            return
+        flat = []
+        for name, kind in zip(self.inputs, self._in_kinds):
+            flat.extend(env[name]) if kind is not None else flat.append(env[name])
+        values = iter(self.compiled(flat))
+        for name in self.freed:
+            env.pop(name, None)
+        for name, kind in zip(self.outputs, self._out_kinds):
+            env[name] = next(values) if kind is None else kind[0](next(values) for _ in range(kind[1]))
+
+    def graph(self) -> fx.GraphModule:
+        """The region as an FX graph of operator overloads: placeholders for the inputs (a tuple's
+        elements each), then the graph constants; outputs likewise flattened."""
+        g = fx.Graph()
+        nodes: dict[str, Any] = {}
+        for a, kind in zip(self.inputs, self._in_kinds):
+            if kind is None:
+                nodes[a] = g.placeholder(_identifier(a))
+            else:
+                nodes[a] = tuple(g.placeholder(f"{_identifier(a)}_{j}") for j in range(kind))
+        consts = {name: g.placeholder(_identifier(name)) for name in self.constants}
+        for st in self.steps:
+            if st.kind == GET_ATTR:
+                nodes[st.name] = consts[st.name]
+            elif st.kind == MARKER:  # it only names its value here
+                nodes[st.name] = nodes[st.inputs[0]]
+            elif st.kind == GETITEM:
+                src = nodes[st.inputs[0]]
+                nodes[st.name] = src[st.target] if isinstance(src, tuple) else g.call_function(
+                    operator.getitem, (src, st.target))
+            else:
+                lay = self.layouts[st.name]
+                put = _putter(nodes, st.inputs)
+                nodes[st.name] = g.call_function(lay.op, put(lay.args), put(lay.kwargs))
+        out = []
+        for name, kind in zip(self.outputs, self._out_kinds):
+            node = nodes[name]
+            if kind is None:
+                out.append(node)
+            else:
+                out.extend(node[j] if isinstance(node, tuple) else g.call_function(operator.getitem, (node, j))
+                           for j in range(kind[1]))
+        g.output(tuple(out))
+        return fx.GraphModule(torch.nn.Module(), g)
+
+    def _compile(self, args: list, results: list) -> None:
+        from torch._inductor.compile_fx import compile_fx
+
+        t0 = time.perf_counter()
+        try:
+            self._in_kinds = [_arity(a) for a in args]
+            self._out_kinds = [None if (n := _arity(r)) is None else (type(r), n) for r in results]
+            flat = [x for a in args for x in (a if isinstance(a, (tuple, list)) else (a,))]
+            consts = [get() for get in self.constants.values()]
+            fn = compile_fx(self.graph(), flat + consts)
+            self.compiled = lambda values: fn(*values, *consts)
+        except Exception as exc:  # noqa: BLE001 - any failure falls back to the kernels as they are
+            self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            log.warning("region at step %d (%d steps) runs uncompiled: %s", self.index, len(self.steps), self.failed)
+        self.compile_s = time.perf_counter() - t0
+
+
+def _arity(value) -> int | None:
+    """None for a tensor; the length of a tuple or list of tensors; else ``TypeError``."""
+    if isinstance(value, torch.Tensor):
+        return None
+    if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
+        return len(value)
+    raise TypeError(f"a value crossing the region's border is a {type(value).__name__}, not tensors")
+
+
+def _identifier(name: str) -> str:
+    return "v_" + "".join(c if c.isalnum() else "_" for c in name)
+
+
+def _putter(nodes: dict, inputs: tuple[str, ...]) -> Callable[[Any], Any]:
+    def put(value):
+        if isinstance(value, Slot):
+            return nodes[inputs[value.i]]
+        if isinstance(value, (list, tuple)):
+            return type(value)(put(v) for v in value)
+        if isinstance(value, dict):
+            return {k: put(v) for k, v in value.items()}
+        return value
+    return put
+
+
+def split(steps: list, fusable: Callable[[Any], bool], alias: Callable[[Any], bool]) -> list[tuple[int, int]]:
+    """``(start, end)`` of each maximal run of ``steps`` a region may hold: ``fusable`` steps (local
+    kernels, ``getitem``s, constants) and the markers between them that only name their value
+    (``alias``); a step collecting a bucket first starts a new run. Each run starts with a fusable
+    step and holds at least one kernel."""
+    spans, start = [], None
+    for i, st in enumerate(steps):
+        if start is not None and (st.before or not (fusable(st) or (st.kind == MARKER and alias(st)))):
+            spans.append((start, i))
+            start = None
+        if start is None and fusable(st):
+            start = i
+    if start is not None:
+        spans.append((start, len(steps)))
+    return [(a, b) for a, b in spans if any(steps[j].kind == CALL for j in range(a, b))]
+
+
+def region_io(steps: list, start: int, end: int) -> tuple[tuple, tuple, tuple]:
+    """``(inputs, outputs, freed)`` of the region ``steps[start:end]``."""
+    inside = steps[start:end]
+    made = {st.name for st in inside}
+    freed_inside = {name for st in inside for name in st.free}
+    inputs: list[str] = []
+    for st in inside:
+        for a in st.inputs:
+            if a not in made and a not in inputs:
+                inputs.append(a)
+    outputs = tuple(st.name for st in inside if st.name not in freed_inside)
+    return tuple(inputs), outputs, tuple(a for a in inputs if a in freed_inside)
+
+
+__all__ = ["Region", "region_io", "split"]
