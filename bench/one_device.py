@@ -20,6 +20,8 @@ Each (workload, sequence length, system) trains in a process of its own, started
 - systems: ``eager`` (the step as written), ``compile`` (``torch.compile(train_step)``, as
   PyTorch's docs compile a training step) and ``parallelize`` (``parallelize(train_step,
   Cluster.local(1, 1))`` with default options: one worker process, its plan found by itself);
+  ``parallelize_compiled``, a diagnostic named in ``--systems``, is ``parallelize`` with
+  ``compile=True`` (the worker's program compiled by Inductor, ``runtime/regions.py``);
   every process uses as many torch threads as the ``parallelize`` worker gets (one device's
   share of this machine's cores).
 
@@ -100,10 +102,11 @@ def worker(system: str, workload: str, length: int, steps: int, warmup: int, thr
     peak = _peaks
     if system == "compile":
         step_fn = torch.compile(step_fn)
-    elif system == "parallelize":
+    elif system.startswith("parallelize"):
         from alpa_torch import parallelize
 
-        step_fn = parallelize(step_fn, _cluster(device))
+        options = {"compile": True} if system == "parallelize_compiled" else {}  # the default: none
+        step_fn = parallelize(step_fn, _cluster(device), **options)
 
         def peak():  # the worker's peaks: the process that trains
             return step_fn.group.call_all(_worker_peaks)[0]
@@ -115,8 +118,10 @@ def worker(system: str, workload: str, length: int, steps: int, warmup: int, thr
     row = {"bench": "one_device", "system": system, "workload": workload, "seq_len": length, "batch": BATCH,
            "device": device, "dtype": dtype, "threads": threads, "first_call_s": round(times[0], 2),
            "step_median_ms": round(1e3 * statistics.median(times[warmup:]), 1), **peak()}
-    if system == "parallelize":
+    if system.startswith("parallelize"):
         row["plan"] = step_fn.plan.table().splitlines()[-3] if step_fn.plan else None
+        if system == "parallelize_compiled":
+            row["regions"] = step_fn.group.call_all(_regions)[0]
         step_fn.shutdown()
     return row
 
@@ -149,6 +154,13 @@ def _peaks() -> dict:
 
 def _worker_peaks(state) -> dict:
     return _peaks()
+
+
+def _regions(state) -> list[dict]:
+    """The worker's compiled regions: steps, compile seconds (Inductor's caches make a second run's
+    small) and why any failed."""
+    fast = state["runner"].program.fast
+    return [{"steps": len(r.steps), "compile_s": round(r.compile_s, 2), "failed": r.failed} for r in fast.regions]
 
 
 def _threads() -> int:
@@ -209,14 +221,15 @@ def _run_worker(args, system: str, workload: str, length: int, threads: int) -> 
 
 def _summary(workload: str, length: int, rows: dict, info: dict) -> dict:
     out = {"bench": "one_device", "summary": True, "workload": workload, "seq_len": length, **info}
-    par = rows.get("parallelize", {})
-    for peer in ("eager", "compile"):
-        other = rows.get(peer, {})
-        if "step_median_ms" in par and "step_median_ms" in other:
-            out[f"step_over_{peer}"] = round(par["step_median_ms"] / other["step_median_ms"], 3)
-            out[f"peak_over_{peer}"] = round(par["peak_mb"] / other["peak_mb"], 3)
-            if "cuda_peak_mb" in par and "cuda_peak_mb" in other:
-                out[f"cuda_peak_over_{peer}"] = round(par["cuda_peak_mb"] / other["cuda_peak_mb"], 3)
+    for system, prefix in (("parallelize", ""), ("parallelize_compiled", "compiled_")):
+        par = rows.get(system, {})
+        for peer in ("eager", "compile"):
+            other = rows.get(peer, {})
+            if "step_median_ms" in par and "step_median_ms" in other:
+                out[f"{prefix}step_over_{peer}"] = round(par["step_median_ms"] / other["step_median_ms"], 3)
+                out[f"{prefix}peak_over_{peer}"] = round(par["peak_mb"] / other["peak_mb"], 3)
+                if "cuda_peak_mb" in par and "cuda_peak_mb" in other:
+                    out[f"{prefix}cuda_peak_over_{peer}"] = round(par["cuda_peak_mb"] / other["cuda_peak_mb"], 3)
     if "cuda_peak_over_eager" in out and "step_over_compile" in out:  # the compiled-programs issue, on a GPU
         out["target"] = "step <= 1.0x compile, CUDA peak <= eager's"
         out["met"] = out["step_over_compile"] <= 1.0 and out["cuda_peak_over_eager"] <= 1.0

@@ -104,7 +104,7 @@ def generate(program: Program, layout: Callable[[Any], Layout | None], general: 
     ``watch[name](value)``: called with value ``name`` right after the step computing it.
     ``regions``: compile runs of local kernels (``regions.py``); ``regions(marker)`` says whether a
     gradient marker only names its value (``env[name] = value``: it may sit inside a run), else it
-    ends the run. Watched values' hooks run after their region."""
+    ends the run. A run ends after a watched value, whose hook runs then."""
     watch = watch or {}
     w = _Writer()
     layouts = {st.name: layout(st) for st in program.steps if st.kind == CALL}
@@ -114,7 +114,7 @@ def generate(program: Program, layout: Callable[[Any], Layout | None], general: 
             lay = layouts.get(st.name)
             return st.kind in (GETITEM, GET_ATTR) or (
                 lay is not None and not lay.donor and isinstance(lay.op, torch._ops.OpOverload))
-        spans = dict(split(program.steps, fusable, regions))
+        spans = dict(split(program.steps, fusable, regions, frozenset(watch)))
     steps, i, made = program.steps, 0, []
     while i < len(steps):
         st = steps[i]

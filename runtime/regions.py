@@ -20,7 +20,8 @@ memory.
 What a region never holds: a step that writes into a dead input (``donation.py``: the compiled
 code decides its own buffer reuse, so a compiling runner turns donation off), a gradient marker
 whose hook does more than name the value (a bucket's, a pipeline's accumulation), a watched
-value's hook (run right after the region: the loss answers when its region ends).
+value's hook (a region ends after the value, and the hook runs then: the loss answers the driver
+early, which overlaps its next call with the backward and the update).
 """
 
 from __future__ import annotations
@@ -155,11 +156,13 @@ def _putter(nodes: dict, inputs: tuple[str, ...]) -> Callable[[Any], Any]:
     return put
 
 
-def split(steps: list, fusable: Callable[[Any], bool], alias: Callable[[Any], bool]) -> list[tuple[int, int]]:
+def split(steps: list, fusable: Callable[[Any], bool], alias: Callable[[Any], bool],
+          last: frozenset[str] = frozenset()) -> list[tuple[int, int]]:
     """``(start, end)`` of each maximal run of ``steps`` a region may hold: ``fusable`` steps (local
     kernels, ``getitem``s, constants) and the markers between them that only name their value
-    (``alias``); a step collecting a bucket first starts a new run. Each run starts with a fusable
-    step and holds at least one kernel."""
+    (``alias``); a step collecting a bucket first starts a new run, and a run ends after a step
+    named in ``last`` (a watched value: the loss answers the driver as soon as it is computed).
+    Each run starts with a fusable step and holds at least one kernel."""
     spans, start = [], None
     for i, st in enumerate(steps):
         if start is not None and (st.before or not (fusable(st) or (st.kind == MARKER and alias(st)))):
@@ -167,6 +170,9 @@ def split(steps: list, fusable: Callable[[Any], bool], alias: Callable[[Any], bo
             start = None
         if start is None and fusable(st):
             start = i
+        if start is not None and st.name in last:
+            spans.append((start, i + 1))
+            start = None
     if start is not None:
         spans.append((start, len(steps)))
     return [(a, b) for a, b in spans if any(steps[j].kind == CALL for j in range(a, b))]

@@ -158,3 +158,28 @@ def test_a_region_that_fails_to_compile_runs_as_written(monkeypatch, caplog):
     assert region.compiled is None and region.failed == "RuntimeError: no C++ compiler"
     assert [r.getMessage() for r in caplog.records] == [
         "region at step 1 (3 steps) runs uncompiled: RuntimeError: no C++ compiler"]
+
+
+def test_a_region_ends_at_a_watched_value():
+    """The loss a step answers with early is watched: its region ends there and the hook runs before
+    the next region (the backward and update) starts."""
+    from runtime.codegen import Layout, generate
+
+    def f(x):
+        loss = (x * 3).sum()
+        return loss, torch.exp(x) * 2
+
+    x = torch.randn(4)
+    program, inputs = _program_of(f, x)
+    loss = next(st.name for st in program.steps if st.target is torch.ops.aten.sum.default)
+    seen = []
+
+    def layout(st):
+        a, k = st.layout()
+        return Layout(st.target._op, a, k, op=st.target)
+
+    run = generate(program, layout, None, None, None, None, watch={loss: lambda v: seen.append(float(v))},
+                   regions=lambda st: True)
+    out = run(dict(zip(inputs, (x,))), None)
+    assert len(run.regions) == 2 and run.regions[0].outputs == (loss,)
+    assert seen == [float(out[0])]

@@ -44,7 +44,7 @@ def test_one_device_compiled_equals_eager():
     run_case("gpt", cluster, realistic(cluster, (1, 1)), probe=probe, compile=True)
     _compiled_everywhere(probe)
     (regions,) = probe["result"]
-    assert len(regions) == 1, "one device: the whole step is one region"
+    assert len(regions) == 2, "one device: the step is two regions, split where the loss answers the driver"
 
 
 def test_data_parallel_compiled_equals_eager():
