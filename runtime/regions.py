@@ -11,8 +11,10 @@ kernels (with the ``getitem``s and graph constants between them) becomes a ``Reg
 A region is an FX graph of the kernels' operator overloads, its inputs the values it reads from
 before it, its outputs the values read after it. On its first call it is compiled with
 ``torch._inductor.compile_fx.compile_fx`` on the real inputs (Inductor: C++ on CPU, Triton on
-CUDA; Inductor's own on-disk caches make a second run of the same program compile nothing new)
-and from then on runs the compiled code. A region that fails to compile runs its kernels one by
+CUDA; Inductor's own on-disk caches make a second run of the same program compile less) and
+runs the compiled code from then on. Compiled code checks its inputs' layouts; an input laid out
+otherwise than when compiled (an earlier region's compiled output) compiles the region again,
+once. A region that fails to compile runs its kernels one by
 one as before, with one log line naming the reason; so does every region where ``compile`` is
 off. A value a region produces and no later step reads stays inside it: Inductor decides its
 memory.
@@ -45,9 +47,8 @@ class Region:
 
     ``inputs``: names read from the environment; ``outputs``: names written to it; ``freed``:
     inputs whose last reader is inside (dropped from the environment after the call);
-    ``eager(env)``: the steps run one by one (the first call, which also shows the values' kinds,
-    and the fallback). A value that is a tuple or list of tensors (a multi-output operator's)
-    crosses the compiled function's border as its elements."""
+    ``eager(env)``: the steps run one by one (the fallback). A value that is a tuple or list of
+    tensors (a multi-output operator's) crosses the compiled function's border as its elements."""
 
     def __init__(self, index: int, steps: list, layouts: dict[str, Any], constants: dict[str, Callable],
                  inputs: tuple[str, ...], outputs: tuple[str, ...], freed: tuple[str, ...],
@@ -58,22 +59,33 @@ class Region:
         self.failed: str | None = None
         """Why compiling failed (the region then runs eagerly), or None."""
         self.compile_s = 0.0
-        self._in_kinds: list[type | None] = []
+        self._in_kinds: list[int | None] = []
         self._out_kinds: list[tuple[type, int] | None] = []
+        self._relaid = False
+        """Whether it was compiled again for inputs laid out otherwise (once; a second time it fails)."""
 
     def __call__(self, env: dict) -> None:
+        if self.compiled is None and self.failed is None:
+            self._compile(env)
         if self.compiled is None:
-            if self.failed is None:  # the first call: run as written, then compile on what it saw
-                args = [env[a] for a in self.inputs]
-                self.eager(env)
-                self._compile(args, [env[name] for name in self.outputs])
-                return
             self.eager(env)
             return
         flat = []
         for name, kind in zip(self.inputs, self._in_kinds):
             flat.extend(env[name]) if kind is not None else flat.append(env[name])
-        values = iter(self.compiled(flat))
+        try:
+            values = iter(self.compiled(flat))
+        except AssertionError as exc:  # Inductor checks each input's layout before anything runs
+            if self._relaid:  # layouts that keep changing: the kernels as written from now on
+                self._fail(f"inputs laid out differently again ({str(exc).splitlines()[0][:120]})")
+                self.eager(env)
+                return
+            self._relaid = True
+            log.info("region at step %d: an input is laid out otherwise than when compiled; compiling again",
+                     self.index)
+            self.compiled = None
+            self(env)
+            return
         for name in self.freed:
             env.pop(name, None)
         for name, kind in zip(self.outputs, self._out_kinds):
@@ -114,21 +126,35 @@ class Region:
         g.output(tuple(out))
         return fx.GraphModule(torch.nn.Module(), g)
 
-    def _compile(self, args: list, results: list) -> None:
+    def _compile(self, env: dict) -> None:
+        """Compile on this call's inputs; the outputs' kinds come from running the steps on fake
+        tensors. The compiled code runs from this call on, so every later region is compiled on the
+        layouts compiled code gives it (Inductor specializes on them)."""
         from torch._inductor.compile_fx import compile_fx
+        from torch._subclasses.fake_tensor import FakeTensorMode
 
         t0 = time.perf_counter()
         try:
+            args = [env[a] for a in self.inputs]
             self._in_kinds = [_arity(a) for a in args]
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            with mode:
+                fake = {a: mode.from_tensor(v) if kind is None else type(v)(mode.from_tensor(x) for x in v)
+                        for a, v, kind in zip(self.inputs, args, self._in_kinds)}
+                self.eager(fake)
+            results = [fake[name] for name in self.outputs]
             self._out_kinds = [None if (n := _arity(r)) is None else (type(r), n) for r in results]
             flat = [x for a in args for x in (a if isinstance(a, (tuple, list)) else (a,))]
             consts = [get() for get in self.constants.values()]
             fn = compile_fx(self.graph(), flat + consts)
             self.compiled = lambda values: fn(*values, *consts)
         except Exception as exc:  # noqa: BLE001 - any failure falls back to the kernels as they are
-            self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-            log.warning("region at step %d (%d steps) runs uncompiled: %s", self.index, len(self.steps), self.failed)
-        self.compile_s = time.perf_counter() - t0
+            self._fail(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+        self.compile_s += time.perf_counter() - t0
+
+    def _fail(self, why: str) -> None:
+        self.compiled, self.failed = None, why
+        log.warning("region at step %d (%d steps) runs uncompiled: %s", self.index, len(self.steps), why)
 
 
 def _arity(value) -> int | None:

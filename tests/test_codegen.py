@@ -183,3 +183,15 @@ def test_a_region_ends_at_a_watched_value():
     out = run(dict(zip(inputs, (x,))), None)
     assert len(run.regions) == 2 and run.regions[0].outputs == (loss,)
     assert seen == [float(out[0])]
+
+
+def test_a_region_given_inputs_laid_out_otherwise_compiles_again_once(caplog):
+    """Compiled code is specialized on its inputs' strides: an input laid out otherwise compiles the
+    region again; layouts that change once more leave it running as written. Results stay right."""
+    x = torch.randn(4, 4)
+    run, inputs, _ = _regions_run(lambda x: (x * 2).sum(dim=0), (x,))
+    (region,) = run.regions
+    for value in (x, x.t(), x):
+        out = run(dict(zip(inputs, (value,))), None)
+        torch.testing.assert_close(out[0], (value * 2).sum(dim=0))
+    assert region.compiled is None and region.failed.startswith("inputs laid out differently again")

@@ -47,6 +47,19 @@ def test_one_device_compiled_equals_eager():
     assert len(regions) == 2, "one device: the step is two regions, split where the loss answers the driver"
 
 
+def test_hugging_face_llama_compiled_on_one_device_equals_eager():
+    """HF LLaMA with grouped-query attention: its backward region reads activations the forward
+    region lays out as compiled code does, not as the kernels run one by one would."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.test_hf import run_hf_labels
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, use_cache=False)
+    torch.manual_seed(0)
+    run_hf_labels(LlamaForCausalLM(cfg), cluster=(1, 1), compile=True)
+
+
 def test_data_parallel_compiled_equals_eager():
     cluster = Cluster.local(1, 2)
     model, _ = ZOO["gpt"]()

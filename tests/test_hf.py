@@ -109,13 +109,13 @@ def hf_labels_step(model, optimizer, batch):
     return loss
 
 
-def run_hf_labels(model, cluster=(1, 2), param_atol=ATOL):
+def run_hf_labels(model, cluster=(1, 2), param_atol=ATOL, **options):
     """3 planned steps of ``hf_labels_step`` vs eager on a deep copy (AdamW); returns the plan.
-    Losses agree within ATOL, parameters within ``param_atol``."""
+    Losses agree within ATOL, parameters within ``param_atol``; ``options`` go to ``parallelize``."""
     eager = copy.deepcopy(model)
     eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step = parallelize(hf_labels_step, Cluster.local(*cluster), plan_cache=False)
+    step = parallelize(hf_labels_step, Cluster.local(*cluster), plan_cache=False, **options)
     try:
         for i in range(STEPS):
             ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(i))
