@@ -12,6 +12,7 @@ Modules, bottom-up (``docs/architecture.md`` §4 says more of each):
 - ``worker``          ``DeviceWorker``: one device's actor, its process group and state
 - ``group``           ``WorkerGroup``: the actors, calls with timeouts, failures as ``WorkerError``
 - ``program``         graph records compiled into steps with liveness
+- ``regions``         runs of local kernels compiled by Inductor (``compile=True``)
 - ``codegen``         a settled program as one generated Python function
 - ``replay``          operators replayed as the local kernels DTensor's rules imply
 - ``donation``        elementwise operators in place on dead inputs
