@@ -4,7 +4,8 @@ Each plan family runs 3 steps with its workers' runs of local kernels compiled b
 is compared with single-device eager training (fp32, atol 1e-5; ``tests/test_runtime.run_case``):
 one device, data parallel (its gradient buckets end regions), tensor parallel and a sharded
 update (collectives between regions), and a two-stage pipeline through ``parallelize``. Each
-also checks that the workers compiled something and that nothing fell back.
+also checks that the workers compiled something and that nothing fell back. All but the
+one-device case are marked slow (each compiles for a minute or so on 2 cores; CI runs them).
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ import pytest
 import torch
 
 from alpa_torch import Cluster, parallelize
-from alpa_torch.capture import capture
 from alpa_torch.zoo import ZOO, make_batch, make_optimizer, train_step
-from tests.test_runtime import ATOL, cheap_comm, realistic, run_case
+from tests.test_runtime import ATOL, cheap_comm, data_parallel_force, realistic, run_case, zoo_graph
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -47,6 +47,7 @@ def test_one_device_compiled_equals_eager():
     assert len(regions) == 2, "one device: the step is two regions, split where the loss answers the driver"
 
 
+@pytest.mark.slow
 def test_hugging_face_llama_compiled_on_one_device_equals_eager():
     """HF LLaMA with grouped-query attention: its backward region reads activations the forward
     region lays out as compiled code does, not as the kernels run one by one would."""
@@ -60,23 +61,21 @@ def test_hugging_face_llama_compiled_on_one_device_equals_eager():
     run_hf_labels(LlamaForCausalLM(cfg), cluster=(1, 1), compile=True)
 
 
+@pytest.mark.slow
 def test_data_parallel_compiled_equals_eager():
     cluster = Cluster.local(1, 2)
-    model, _ = ZOO["gpt"]()
-    graph = capture(train_step, model, make_optimizer("adamw", model), make_batch("gpt", 8, seed=0))
-    force = {s.name: ("RS(0)" if s.kind == "batch" and s.shape else "RR")
-             for s in graph.inputs if s.kind in ("batch", "param", "opt_state")}
     probe = dict(PROBE)
-    run_case("gpt", cluster, realistic(cluster, (1, 2)), force=force, probe=probe, compile=True)
+    run_case("gpt", cluster, realistic(cluster, (1, 2)), force=data_parallel_force(zoo_graph()), probe=probe,
+             compile=True)
     _compiled_everywhere(probe)
 
 
+@pytest.mark.slow
 def test_sharded_optimizer_state_compiled_equals_eager():
     """ZeRO's plan: the batch split, weights replicated, the optimizer state split on dim 0 (each
     device updates its part, then the weights are gathered)."""
     cluster = Cluster.local(1, 2)
-    model, _ = ZOO["gpt"]()
-    graph = capture(train_step, model, make_optimizer("adamw", model), make_batch("gpt", 8, seed=0))
+    graph = zoo_graph()
     force = {s.name: {"batch": "RS(0)", "param": "RR"}.get(s.kind, "RS(0)" if s.shape[0] % 2 == 0 else "RR")
              for s in graph.inputs if s.kind in ("batch", "param", "opt_state") and s.shape}
     probe = dict(PROBE)
@@ -85,12 +84,14 @@ def test_sharded_optimizer_state_compiled_equals_eager():
     _compiled_everywhere(probe)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_compiled_equals_eager():
     probe = dict(PROBE)
     run_case("mlp", Cluster.local(1, 2), cheap_comm((1, 2)), probe=probe, compile=True)
     _compiled_everywhere(probe)
 
 
+@pytest.mark.slow
 def test_pipeline_compiled_through_parallelize_equals_eager():
     """The mission's call with ``compile=True``: a two-stage pipeline of two microbatches."""
     torch.manual_seed(0)

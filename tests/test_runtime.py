@@ -157,13 +157,23 @@ def test_parallelize_end_to_end_and_sync():
     assert int(opt.state[first]["step"]) == 3
 
 
+def zoo_graph(name: str = "gpt"):
+    """The captured AdamW step of zoo model ``name`` (what ``run_case`` captures), to force a plan on."""
+    model, _ = ZOO[name]()
+    return capture(train_step, model, make_optimizer("adamw", model), make_batch(name, 8, seed=0))
+
+
+def data_parallel_force(graph) -> dict[str, str]:
+    """DDP's plan on a 1x2 mesh as ``force``: the batch split on dim 0, weights and optimizer state replicated."""
+    return {s.name: ("RS(0)" if s.kind == "batch" and s.shape else "RR")
+            for s in graph.inputs if s.kind in ("batch", "param", "opt_state")}
+
+
 def test_forced_pure_data_parallel_matches_eager():
     """force= pins the batch to S(0) and weights / optimizer state to R: DDP's plan."""
     cluster = Cluster.local(1, 2)
-    model, _ = ZOO["gpt"]()
-    graph = capture(train_step, model, make_optimizer("adamw", model), make_batch("gpt", 8, seed=0))
-    force = {s.name: ("RS(0)" if s.kind == "batch" and s.shape else "RR")
-             for s in graph.inputs if s.kind in ("batch", "param", "opt_state")}
+    graph = zoo_graph()
+    force = data_parallel_force(graph)
     sharding = solve_stage(graph, realistic(cluster, (1, 2)), force=force)
     specs = {s.name: str(sharding.value_specs[s.node]) for s in graph.inputs if s.node in sharding.value_specs}
     assert specs["batch.0"] == "RS(0)" and specs["wte.weight"] == "RR"
