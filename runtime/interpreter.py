@@ -570,7 +570,6 @@ class StageRunner:
             donor = self._donor(st, kernel)
         return Layout(donor, args, kwargs, donor=True) if donor is not None else Layout(kernel, args, kwargs, op=op)
 
-
     def _general(self, st) -> Callable[[dict], Any]:
         """``env -> value`` of an operator the generated program does not call directly."""
         call = self._call_local if self.local else self._replay
