@@ -239,7 +239,8 @@ class WorkerGroup:
 
     def _failure(self, what: str, failures: dict[int, BaseException]) -> WorkerError:
         """One ``WorkerError`` for all failed ranks, dead ranks first (they are the cause)."""
-        died = sorted(r for r, e in failures.items() if isinstance(e, ray.exceptions.RayActorError))
+        gone = (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError)  # killed, by Ray's memory monitor too
+        died = sorted(r for r, e in failures.items() if isinstance(e, gone))
         raised = sorted(r for r in failures if r not in died)
         lines, records = [], []
         for rank in died + raised:
@@ -254,8 +255,14 @@ class WorkerGroup:
                 text = _first_lines(exc)
                 lines.append(f"{where} failed: {text}")
             records.append(self._worker_failure(rank, rank in died, text))
-        fix = ("Fix: check the dead worker's log (out of memory? killed?) and start a new group." if died else
-               "Fix: correct the error in the callable; start a new group.")
+        if any(isinstance(e, ray.exceptions.OutOfMemoryError) for e in failures.values()):
+            fix = ("Fix: the node ran out of memory and Ray killed the worker: a plan needing less memory per device "
+                   "(parallelize(..., memory_budget_bytes=...)), a smaller batch or model, or more devices; start a "
+                   "new group.")
+        elif died:
+            fix = "Fix: check the dead worker's log (out of memory? killed?) and start a new group."
+        else:
+            fix = "Fix: correct the error in the callable; start a new group."
         head = f"{what} failed on device rank(s) {died + raised} (died: {died}, raised: {raised}); group shut down."
         return WorkerError("\n".join([head, *lines, fix]), failures=tuple(records))
 

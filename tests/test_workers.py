@@ -212,3 +212,17 @@ def test_token_auth_uses_env_token_and_respects_user_settings():
     user = {"RAY_AUTH_MODE": "disabled"}
     assert not _configure_token_auth(user)
     assert user == {"RAY_AUTH_MODE": "disabled"}
+
+
+def test_a_worker_killed_for_memory_is_named_so_with_a_memory_fix():
+    """Ray's memory monitor kills a worker with ``OutOfMemoryError``: the rank counts as died and the
+    fix says how to need less memory, not to correct the callable."""
+    import ray
+
+    group = WorkerGroup.__new__(WorkerGroup)
+    group.cluster, group.infos = Cluster.local(1, 2), []
+    exc = group._failure("_step", {1: ray.exceptions.OutOfMemoryError("1 worker(s) were killed due to the node "
+                                                                       "running low on memory")})
+    text = str(exc)
+    assert "(died: [1], raised: [])" in text and "running low on memory" in text
+    assert "ran out of memory" in text and "memory_budget_bytes" in text and "correct the error" not in text
