@@ -14,10 +14,9 @@ before it, its outputs the values read after it. On its first call it is compile
 CUDA; Inductor's own on-disk caches make a second run of the same program compile less) and
 runs the compiled code from then on. Compiled code checks its inputs' layouts; an input laid out
 otherwise than when compiled (an earlier region's compiled output) compiles the region again,
-once. A region that fails to compile runs its kernels one by
-one as before, with one log line naming the reason; so does every region where ``compile`` is
-off. A value a region produces and no later step reads stays inside it: Inductor decides its
-memory.
+once. A region that fails to compile runs its kernels one by one as before, with one log line
+naming the reason (without ``compile`` no region is made). A value a region produces and no
+later step reads stays inside it: Inductor decides its memory.
 
 What a region never holds: a step that writes into a dead input (``donation.py``: the compiled
 code decides its own buffer reuse, so a compiling runner turns donation off), a gradient marker
@@ -70,11 +69,8 @@ class Region:
         if self.compiled is None:
             self.eager(env)
             return
-        flat = []
-        for name, kind in zip(self.inputs, self._in_kinds):
-            flat.extend(env[name]) if kind is not None else flat.append(env[name])
         try:
-            values = iter(self.compiled(flat))
+            values = iter(self.compiled(self._flatten([env[a] for a in self.inputs])))
         except AssertionError as exc:  # Inductor checks each input's layout before anything runs
             if self._relaid:  # layouts that keep changing: the kernels as written from now on
                 self._fail(f"inputs laid out differently again ({str(exc).splitlines()[0][:120]})")
@@ -90,6 +86,13 @@ class Region:
             env.pop(name, None)
         for name, kind in zip(self.outputs, self._out_kinds):
             env[name] = next(values) if kind is None else kind[0](next(values) for _ in range(kind[1]))
+
+    def _flatten(self, values: list) -> list:
+        """``values`` of ``inputs`` as the compiled function takes them: a tuple's elements each."""
+        flat = []
+        for value, kind in zip(values, self._in_kinds):
+            flat.extend(value) if kind is not None else flat.append(value)
+        return flat
 
     def graph(self) -> fx.GraphModule:
         """The region as an FX graph of operator overloads: placeholders for the inputs (a tuple's
@@ -113,8 +116,10 @@ class Region:
                     operator.getitem, (src, st.target))
             else:
                 lay = self.layouts[st.name]
-                put = _putter(nodes, st.inputs)
-                nodes[st.name] = g.call_function(lay.op, put(lay.args), put(lay.kwargs))
+                def put(v, inputs=st.inputs):
+                    return nodes[inputs[v.i]] if isinstance(v, Slot) else v
+                nodes[st.name] = g.call_function(lay.op, fx.node.map_aggregate(lay.args, put),
+                                                 fx.node.map_aggregate(lay.kwargs, put))
         out = []
         for name, kind in zip(self.outputs, self._out_kinds):
             node = nodes[name]
@@ -144,9 +149,8 @@ class Region:
                 self.eager(fake)
             results = [fake[name] for name in self.outputs]
             self._out_kinds = [None if (n := _arity(r)) is None else (type(r), n) for r in results]
-            flat = [x for a in args for x in (a if isinstance(a, (tuple, list)) else (a,))]
             consts = [get() for get in self.constants.values()]
-            fn = compile_fx(self.graph(), flat + consts)
+            fn = compile_fx(self.graph(), self._flatten(args) + consts)
             self.compiled = lambda values: fn(*values, *consts)
         except Exception as exc:  # noqa: BLE001 - any failure falls back to the kernels as they are
             self._fail(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
@@ -168,18 +172,6 @@ def _arity(value) -> int | None:
 
 def _identifier(name: str) -> str:
     return "v_" + "".join(c if c.isalnum() else "_" for c in name)
-
-
-def _putter(nodes: dict, inputs: tuple[str, ...]) -> Callable[[Any], Any]:
-    def put(value):
-        if isinstance(value, Slot):
-            return nodes[inputs[value.i]]
-        if isinstance(value, (list, tuple)):
-            return type(value)(put(v) for v in value)
-        if isinstance(value, dict):
-            return {k: put(v) for k, v in value.items()}
-        return value
-    return put
 
 
 def split(steps: list, fusable: Callable[[Any], bool], alias: Callable[[Any], bool],
