@@ -387,10 +387,15 @@ class ParallelStep(ResilientStep):
     def _deploy(self):
         self.deployments += 1
         engine, self._recomputed = deploy_plan(self.group, self.plan, self.run_graph, self.cluster, self._seed,
-                                               self._combine, self.compile)
+                                               self._combine, self.compile, self._compile_cache())
         if self.trace:
             engine.record(True)
         return engine
+
+    def _compile_cache(self) -> str | None:
+        """Where workers keep compiled regions: beside the plans (``<plan cache>/compiled``); None
+        without a plan cache (``plan_cache=False``) or without ``compile``."""
+        return str(self.plan_cache.root / "compiled") if self.compile and self.plan_cache else None
 
     def measured_trace(self, path: str | os.PathLike[str] | None = None) -> dict:
         """What every worker did in the last step, when: a Chrome/Perfetto trace (``viz.trace_from_events``;
@@ -689,7 +694,8 @@ def parallelize(train_step: Callable | Cluster | None = None, cluster: Cluster |
     True records when each worker ran each forward, backward, update, transfer and gradient
     reduction of a step; ``step.measured_trace(path)`` gives the last step's as a Perfetto
     trace), ``compile`` (default False: True compiles each worker's runs of local kernels with
-    Inductor after the first step; a run that fails to compile runs as before, logged;
+    Inductor after the first step, kept beside the plans so that a second run of the script
+    loads them and compiles nothing; a run that fails to compile runs as before, logged;
     ``runtime/regions.py``). The default cluster is ``Cluster.local(1, 2)``.
 
     Mixed precision: ``precision`` is 'fp32' (default), 'bf16' or 'fp16'. With 'bf16' /

@@ -16,9 +16,11 @@ from alpa_torch.core.plan import ParallelPlan
 
 
 def deploy_plan(group, plan: ParallelPlan, graph: OpGraph, cluster: Cluster, seed: int = 0,
-                combine: str = "mean", compile: bool = False) -> tuple[Any, dict[str, str]]:
+                combine: str = "mean", compile: bool = False,
+                compile_cache: str | None = None) -> tuple[Any, dict[str, str]]:
     """Deploy ``plan`` on the workers of ``group``: ``(engine, copies)``; with ``compile``, the workers
-    compile their programs' runs of local kernels (``runtime/regions.py``).
+    compile their programs' runs of local kernels (``runtime/regions.py``), saving and loading the
+    compiled artifacts in the directory ``compile_cache`` if given.
 
     ``graph`` is the step on one microbatch (``ParallelStep._runtime_graph``). The
     layers the plan recomputes are rewritten first (``remat.rematerialize``); the
@@ -34,7 +36,7 @@ def deploy_plan(group, plan: ParallelPlan, graph: OpGraph, cluster: Cluster, see
     stages = [StageDeployment(s.device_ids, s.logical_mesh, extend_sharding(s.sharding, copies))
               for s in plan.stages]
     engine = Engine(group, graph, stages, stage_of, plan.num_microbatches, plan.schedule, cluster=cluster,
-                    seed=seed, combine=combine, compile=compile)
+                    seed=seed, combine=combine, compile=compile, compile_cache=compile_cache)
     return engine, copies
 
 

@@ -157,10 +157,11 @@ def _worker_peaks(state) -> dict:
 
 
 def _regions(state) -> list[dict]:
-    """The worker's compiled regions: steps, compile seconds (Inductor's caches make a second run's
-    small) and why any failed."""
+    """The worker's compiled regions: steps, seconds spent compiling or loading, whether loaded from
+    the cache beside the plan (a second run of the script: nothing compiled) and why any failed."""
     fast = state["runner"].program.fast
-    return [{"steps": len(r.steps), "compile_s": round(r.compile_s, 2), "failed": r.failed} for r in fast.regions]
+    return [{"steps": len(r.steps), "compile_s": round(r.compile_s, 2), "loaded": r.loaded, "failed": r.failed}
+            for r in fast.regions]
 
 
 def _threads() -> int:

@@ -95,7 +95,8 @@ class _Writer:
 def generate(program: Program, layout: Callable[[Any], Layout | None], general: Callable[[Any], Callable[[dict], Any]],
              marker: Callable, collect: Callable, constant: Callable,
              watch: dict[str, Callable[[Any], None]] | None = None,
-             regions: Callable[[Any], bool] | None = None) -> Callable[[dict, Any], list | None]:
+             regions: Callable[[Any], bool] | None = None,
+             region_cache: str | None = None) -> Callable[[dict, Any], list | None]:
     """``fn(env, on_grad)`` running ``program`` (module docstring).
 
     ``layout(step)``: the step's direct call, or None; ``general(step)``: ``env -> value`` for the
@@ -104,7 +105,8 @@ def generate(program: Program, layout: Callable[[Any], Layout | None], general: 
     ``watch[name](value)``: called with value ``name`` right after the step computing it.
     ``regions``: compile runs of local kernels (``regions.py``); ``regions(marker)`` says whether a
     gradient marker only names its value (``env[name] = value``: it may sit inside a run), else it
-    ends the run. A run ends after a watched value, whose hook runs then."""
+    ends the run. A run ends after a watched value, whose hook runs then. ``region_cache``: the
+    directory of the regions' compiled artifacts, or None."""
     watch = watch or {}
     w = _Writer()
     layouts = {st.name: layout(st) for st in program.steps if st.kind == CALL}
@@ -122,7 +124,7 @@ def generate(program: Program, layout: Callable[[Any], Layout | None], general: 
             w.emit(f"collect({st.before!r}, env)")
         if i in spans:
             end = spans[i]
-            made.append(_region(w, steps, i, end, layouts, general, constant))
+            made.append(_region(w, steps, i, end, layouts, general, constant, region_cache))
             w.emit(f"R[{len(made) - 1}](env)")
             for later in steps[i:end]:  # hooks of the region's values, in order
                 if later.name in watch and later.kind in (CALL, GETITEM):
@@ -165,7 +167,7 @@ def _emit_step(w: _Writer, st, layouts: dict, general: Callable, constant: Calla
 
 
 def _region(w: _Writer, steps: list, start: int, end: int, layouts: dict, general: Callable,
-            constant: Callable) -> Region:
+            constant: Callable, cache: str | None) -> Region:
     """``steps[start:end]`` as a ``Region``; its uncompiled form is generated like the program."""
     inner = _Writer()
     inner.consts = w.consts
@@ -179,7 +181,7 @@ def _region(w: _Writer, steps: list, start: int, end: int, layouts: dict, genera
     inputs, outputs, freed = region_io(steps, start, end)
     members = steps[start:end]
     consts = {st.name: (lambda st=st: constant(st)) for st in members if st.kind == GET_ATTR}
-    return Region(start, members, layouts, consts, inputs, outputs, freed, scope["eager"])
+    return Region(start, members, layouts, consts, inputs, outputs, freed, scope["eager"], cache)
 
 
 __all__ = ["Layout", "generate"]

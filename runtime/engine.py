@@ -109,7 +109,7 @@ def _install(state: dict, records_bytes: bytes, setup: dict, stage: int) -> bool
     meshes = [DeviceMesh(device_type, torch.tensor(r).view(*s)) for r, s in zip(setup["ranks"], setup["shapes"])]
     spec = setup["shardings"][stage]
     runner = StageRunner(records, spec["value_specs"], spec["input_specs"], setup["io"], meshes[stage],
-                         seed=setup["seed"], compile_regions=setup["compile"])
+                         seed=setup["seed"], compile_regions=setup["compile"], region_cache=setup["compile_cache"])
     state["runner"], state["stage"] = runner, stage
     state["first_of_stage"] = state["rank"] == setup["ranks"][stage][0]
     state["recorder"] = recorder = StepRecorder()
@@ -184,12 +184,13 @@ class Engine:
     ``stages``: the plan's stages, or one ``StageSharding`` for one stage on every device;
     ``stage_of``: graph node -> stage (``alpa_torch.core.partition.stage_of_nodes``; one stage:
     None). ``combine``: how microbatches add up (``stage_dp.coupling.loss_combine``). ``compile``: each
-    worker compiles its program's runs of local kernels (``regions.py``)."""
+    worker compiles its program's runs of local kernels (``regions.py``), saving and loading the
+    compiled artifacts in the directory ``compile_cache`` if given."""
 
     def __init__(self, group: WorkerGroup, graph, stages: list[StageDeployment] | StageSharding,
                  stage_of: dict[str, int] | None = None, num_microbatches: int = 1, schedule: str = DEFAULT_SCHEDULE, *,
                  cluster=None, dst_gather: bool | None = None, step_timeout_s: float = 600.0, seed: int = 0,
-                 combine: str = "mean", compile: bool = False):
+                 combine: str = "mean", compile: bool = False, compile_cache: str | None = None):
         if isinstance(stages, StageSharding):
             stages = [StageDeployment(tuple(range(group.world_size)), tuple(stages.mesh_shape), stages)]
         self.group, self.graph, self.stages = group, graph, list(stages)
@@ -202,7 +203,8 @@ class Engine:
               "outputs": [(s.kind, s.name, s.node) for s in graph.outputs]}
         setup = {"ranks": [list(st.ranks) for st in self.stages], "shapes": [list(st.mesh_shape) for st in self.stages],
                  "shardings": [_sharding_strings(st.sharding) for st in self.stages], "io": io, "seed": seed,
-                 "pipelined": self.pipelined, "combine": combine, "compile": compile}
+                 "pipelined": self.pipelined, "combine": combine, "compile": compile,
+                 "compile_cache": compile_cache}
         self.sources: list[set[str]] | None = None
         """Per stage, the state it holds (pipelines; one stage holds all)."""
         self.loss_stage = 0

@@ -104,7 +104,7 @@ class StageRunner:
 
     def __init__(self, records: list[tuple], value_specs: dict[str, str], input_specs: dict[str, list[str]],
                  io: dict, mesh: DeviceMesh, bucket_cap_bytes: int = BUCKET_CAP_BYTES, seed: int = 0,
-                 donate_state: bool = True, compile_regions: bool = False):
+                 donate_state: bool = True, compile_regions: bool = False, region_cache: str | None = None):
         """``donate_state``: a step may write into state memory the runner owns (False: an evaluation
         reading state it does not own, ``evaluation.py``). ``compile_regions``: once settled, runs of
         local kernels are compiled by Inductor (``regions.py``)."""
@@ -147,7 +147,7 @@ class StageRunner:
         self.replay: dict[str, StepReplay] = {}
         self.meta: dict[str, Any] = {}
         """Name -> ``ValueMeta`` of every value seen while learning."""
-        self.compile_regions = compile_regions
+        self.compile_regions, self.region_cache = compile_regions, region_cache
         self.donate_enabled = switch_on(DONATE_ENV) and not compile_regions
         """Whether operators may run in place on dead inputs (``donation.py``; compiled regions reuse memory
         their own way); set before the first step."""
@@ -445,7 +445,7 @@ class StageRunner:
                 alias = (lambda st: named and st.name not in self.reductions) if self.compile_regions else None
                 program.fast = generate(program, self._layout, self._general, self._marker, self._collect,
                                         self.constant, {self._loss_node: self._loss_ready} if self._loss_node else None,
-                                        alias)
+                                        alias, self.region_cache)
                 program.fast.on_grad = on_grad is not None
             return program.fast(env, on_grad)
         learning = self.learning and self.replay_enabled  # metadata for the replay: only when learning one

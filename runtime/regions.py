@@ -10,9 +10,13 @@ kernels (with the ``getitem``s and graph constants between them) becomes a ``Reg
 
 A region is an FX graph of the kernels' operator overloads, its inputs the values it reads from
 before it, its outputs the values read after it. On its first call it is compiled with
-``torch._inductor.compile_fx.compile_fx`` on the real inputs (Inductor: C++ on CPU, Triton on
-CUDA; Inductor's own on-disk caches make a second run of the same program compile less) and
-runs the compiled code from then on. Compiled code checks its inputs' layouts; an input laid out
+``torch._inductor.standalone_compile`` on the real inputs (Inductor: C++ on CPU, Triton on CUDA)
+and runs the compiled code from then on. With a cache directory the compiled artifact is saved
+there (``CompiledArtifact.save``, written to a temporary file renamed over the entry), keyed by
+``artifact_key``: the graph's code, every input's shape, strides, dtype and device, torch's
+version, Inductor's configuration and the machine's vector instructions or GPU generation. A
+later run of the same program on such a machine loads it and compiles nothing; an entry that
+does not load is logged and compiled again. Compiled code checks its inputs' layouts; an input laid out
 otherwise than when compiled (an earlier region's compiled output) compiles the region again,
 once. A region that fails to compile runs its kernels one by one as before, with one log line
 naming the reason (without ``compile`` no region is made). A value a region produces and no
@@ -27,10 +31,14 @@ early, which overlaps its next call with the backward and the update).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import operator
+import os
 import time
+import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,14 +54,17 @@ class Region:
 
     ``inputs``: names read from the environment; ``outputs``: names written to it; ``freed``:
     inputs whose last reader is inside (dropped from the environment after the call);
-    ``eager(env)``: the steps run one by one (the fallback). A value that is a tuple or list of
-    tensors (a multi-output operator's) crosses the compiled function's border as its elements."""
+    ``eager(env)``: the steps run one by one (the fallback); ``cache``: the directory of compiled
+    artifacts, or None. A value that is a tuple or list of tensors (a multi-output operator's)
+    crosses the compiled function's border as its elements."""
 
     def __init__(self, index: int, steps: list, layouts: dict[str, Any], constants: dict[str, Callable],
                  inputs: tuple[str, ...], outputs: tuple[str, ...], freed: tuple[str, ...],
-                 eager: Callable[[dict], None]):
+                 eager: Callable[[dict], None], cache: str | None = None):
         self.index, self.steps, self.layouts, self.constants = index, steps, layouts, constants
-        self.inputs, self.outputs, self.freed, self.eager = inputs, outputs, freed, eager
+        self.inputs, self.outputs, self.freed, self.eager, self.cache = inputs, outputs, freed, eager, cache
+        self.loaded = False
+        """Whether the compiled code came from the cache (nothing compiled)."""
         self.compiled: Callable | None = None
         self.failed: str | None = None
         """Why compiling failed (the region then runs eagerly), or None."""
@@ -135,7 +146,6 @@ class Region:
         """Compile on this call's inputs; the outputs' kinds come from running the steps on fake
         tensors. The compiled code runs from this call on, so every later region is compiled on the
         layouts compiled code gives it (Inductor specializes on them)."""
-        from torch._inductor.compile_fx import compile_fx
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         t0 = time.perf_counter()
@@ -150,7 +160,7 @@ class Region:
             results = [fake[name] for name in self.outputs]
             self._out_kinds = [None if (n := _arity(r)) is None else (type(r), n) for r in results]
             consts = [get() for get in self.constants.values()]
-            fn = compile_fx(self.graph(), self._flatten(args) + consts)
+            fn, self.loaded = compiled_artifact(self.graph(), self._flatten(args) + consts, self.cache)
             self.compiled = lambda values: fn(*values, *consts)
         except Exception as exc:  # noqa: BLE001 - any failure falls back to the kernels as they are
             self._fail(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
@@ -159,6 +169,52 @@ class Region:
     def _fail(self, why: str) -> None:
         self.compiled, self.failed = None, why
         log.warning("region at step %d (%d steps) runs uncompiled: %s", self.index, len(self.steps), why)
+
+
+def compiled_artifact(gm: fx.GraphModule, example: list[torch.Tensor],
+                      cache: str | None) -> tuple[Callable, bool]:
+    """``(fn, loaded)``: ``gm`` compiled by Inductor for inputs like ``example``, loaded from the
+    directory ``cache`` if it holds it (``loaded``), else compiled and saved there (module
+    docstring); a cache that cannot be read or written is logged and bypassed."""
+    from torch._inductor import CompiledArtifact, standalone_compile
+
+    path = None if cache is None else Path(cache) / f"{artifact_key(gm, example)}.bin"
+    if path is not None and path.is_file():
+        try:
+            return CompiledArtifact.load(path=str(path), format="binary"), True
+        except Exception as exc:  # noqa: BLE001 - a damaged or foreign entry: compile it again
+            log.warning("ignoring compiled region %s (%s: %s); compiling it again", path, type(exc).__name__, exc)
+    artifact = standalone_compile(gm, example, dynamic_shapes="from_example_inputs")
+    if path is not None:
+        tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            artifact.save(path=str(tmp), format="binary")
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("could not save the compiled region %s (%s); continuing without", path, exc)
+            tmp.unlink(missing_ok=True)
+    return artifact, False
+
+
+def artifact_key(gm: fx.GraphModule, example: list[torch.Tensor]) -> str:
+    """32 hex digits of SHA-256 over what a compiled region depends on (module docstring)."""
+    from torch._inductor import config
+
+    devices = sorted({t.device for t in example}, key=str)
+    if any(d.type == "cuda" for d in devices):
+        machine = repr([torch.cuda.get_device_capability(d) for d in devices if d.type == "cuda"])
+    else:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        machine = str(pick_vec_isa())
+    inputs = [(tuple(t.shape), t.stride(), t.storage_offset(), str(t.dtype), str(t.device), t.requires_grad)
+              for t in example]
+    digest = hashlib.sha256()
+    for part in (torch.__version__, machine, gm.code, repr(inputs)):
+        digest.update(part.encode())
+    digest.update(config.get_hash())
+    return digest.hexdigest()[:32]
 
 
 def _arity(value) -> int | None:
@@ -210,4 +266,4 @@ def region_io(steps: list, start: int, end: int) -> tuple[tuple, tuple, tuple]:
     return tuple(inputs), outputs, tuple(a for a in inputs if a in freed_inside)
 
 
-__all__ = ["Region", "region_io", "split"]
+__all__ = ["Region", "artifact_key", "compiled_artifact", "region_io", "split"]

@@ -92,9 +92,10 @@ def _program_of(f, *args):
     return compile_program(records, "alpa.grad"), [n.name for n in gm.graph.nodes if n.op == "placeholder"]
 
 
-def _regions_run(f, args, general_ops=()):
-    """``f``'s program generated with compiled regions; operators in ``general_ops`` run through the
-    runner's per-operator function (they split the program)."""
+def _regions_run(f, args, general_ops=(), cache=None):
+    """``f``'s program generated with compiled regions (their artifacts in the directory ``cache``);
+    operators in ``general_ops`` run through the runner's per-operator function (they split the
+    program)."""
     from runtime.codegen import Layout, generate
 
     program, inputs = _program_of(f, *args)
@@ -111,7 +112,7 @@ def _regions_run(f, args, general_ops=()):
             return st.target(*a, **k)
         return call
 
-    run = generate(program, layout, general, None, None, None, regions=lambda st: True)
+    run = generate(program, layout, general, None, None, None, regions=lambda st: True, region_cache=cache)
     return run, inputs, program
 
 
@@ -142,12 +143,12 @@ def test_compiled_regions_run_like_the_records():
 def test_a_region_that_fails_to_compile_runs_as_written(monkeypatch, caplog):
     """Compiling fails (here Inductor is made to raise): the region says why, in one log line, and
     runs its kernels one by one from then on, with the same results."""
-    import torch._inductor.compile_fx as inductor
+    import torch._inductor as inductor
 
     def refuse(*args, **kwargs):
         raise RuntimeError("no C++ compiler\nmore detail")
 
-    monkeypatch.setattr(inductor, "compile_fx", refuse)
+    monkeypatch.setattr(inductor, "standalone_compile", refuse)
     x = torch.randn(5, 3)
     run, inputs, _ = _regions_run(lambda x: (torch.sin(x) * x).sum(), (x,))
     with caplog.at_level("WARNING", logger="runtime.regions"):
@@ -195,3 +196,35 @@ def test_a_region_given_inputs_laid_out_otherwise_compiles_again_once(caplog):
         out = run(dict(zip(inputs, (value,))), None)
         torch.testing.assert_close(out[0], (value * 2).sum(dim=0))
     assert region.compiled is None and region.failed.startswith("inputs laid out differently again")
+
+
+def test_compiled_regions_are_saved_and_a_second_run_loads_them(tmp_path, caplog):
+    """With a cache directory the first program compiles its region and saves it; the same program
+    generated again (a second run of a script) loads it and compiles nothing; an input laid out
+    otherwise is another entry; a damaged entry is logged and compiled again. Results stay right."""
+    from runtime.regions import artifact_key
+
+    def f(x):
+        return torch.tanh(x @ x) * 2 + 1
+
+    x = torch.randn(6, 6)
+
+    def one_run(value):
+        run, inputs, _ = _regions_run(f, (value,), cache=str(tmp_path))
+        for _ in range(2):
+            torch.testing.assert_close(run(dict(zip(inputs, (value,))), None)[0], f(value))
+        (region,) = run.regions
+        assert region.compiled is not None and region.failed is None
+        return region
+
+    assert not one_run(x).loaded
+    (entry,) = tmp_path.glob("*.bin")
+    assert one_run(x).loaded
+    assert not one_run(x.t()).loaded and len(list(tmp_path.glob("*.bin"))) == 2
+    gm = one_run(x).graph()
+    assert entry.name == f"{artifact_key(gm, [x])}.bin" != f"{artifact_key(gm, [x.t()])}.bin"
+    entry.write_bytes(b"not an artifact")
+    with caplog.at_level("WARNING", logger="runtime.regions"):
+        assert not one_run(x).loaded
+    assert any("ignoring compiled region" in r.getMessage() for r in caplog.records)
+    assert one_run(x).loaded

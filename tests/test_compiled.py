@@ -47,6 +47,33 @@ def test_one_device_compiled_equals_eager():
     assert len(regions) == 2, "one device: the step is two regions, split where the loss answers the driver"
 
 
+def _loaded(state) -> list[bool]:
+    """Whether each region of this worker's step came from the compiled-artifact cache."""
+    return [r.loaded for r in state["runner"].program.fast.regions]
+
+
+def test_a_second_run_of_a_script_loads_its_compiled_regions(tmp_path):
+    """The mission's call with ``compile=True`` run twice, as two runs of one script would: the
+    first compiles the worker's regions and keeps them beside its plan, the second loads every
+    one of them (nothing compiled) and trains equal to eager too."""
+    for run in range(2):
+        torch.manual_seed(0)
+        eager, _ = ZOO["gpt"]()
+        model = copy.deepcopy(eager)
+        eager_opt, opt = make_optimizer("adamw", eager), make_optimizer("adamw", model)
+        step = parallelize(train_step, Cluster.local(1, 1), compile=True, plan_cache=str(tmp_path), tune=False)
+        try:
+            for i in range(3):
+                batch = make_batch("gpt", 4, seed=i)
+                want = float(train_step(eager, eager_opt, batch).detach())
+                assert float(step(model, opt, batch)) == pytest.approx(want, abs=ATOL), (run, i)
+            (loaded,) = step.group.call_all(_loaded)
+        finally:
+            step.shutdown()
+        assert len(loaded) == 2 and loaded == [run == 1] * 2, (run, loaded)
+        assert len(list((tmp_path / "compiled").glob("*.bin"))) == 2
+
+
 @pytest.mark.slow
 def test_hugging_face_llama_compiled_on_one_device_equals_eager():
     """HF LLaMA with grouped-query attention: its backward region reads activations the forward
