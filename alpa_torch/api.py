@@ -101,7 +101,7 @@ class ParallelStep(ResilientStep):
                  checkpoint_dir: str | None = None, checkpoint_every: int = 1, tune: bool | None = None,
                  init_fn: Callable[[torch.nn.Module], None] | None = None, weights: str | None = None,
                  host_timeout_s: float = 60.0, trace: bool = False, driver_state_limit_bytes: float | None = None,
-                 compile: bool = False, **option_fields: Any):
+                 compile: bool | None = None, **option_fields: Any):
         """See ``parallelize``; ``option_fields``: ``PlanOptions``'s fields (or ``options``)."""
         check_reliability_options(max_restarts, checkpoint_dir, checkpoint_every, host_timeout_s)
         functools.update_wrapper(self, train_step)  # the decorated step keeps its name and docstring
@@ -127,10 +127,15 @@ class ParallelStep(ResilientStep):
             raise TypeError(f"parallelize: trace={trace!r} must be True or False")
         self.trace = trace
         """Record what every worker does in each step (``measured_trace``)."""
-        if not isinstance(compile, bool):
-            raise TypeError(f"parallelize: compile={compile!r} must be True or False")
+        if compile is not None and not isinstance(compile, bool):
+            raise TypeError(f"parallelize: compile={compile!r} must be True, False or None (the default: "
+                            "measured plan selection decides)")
         self.compile = compile
-        """Workers compile their programs' runs of local kernels with Inductor (``runtime/regions.py``)."""
+        """Workers compile their programs' runs of local kernels with Inductor (``runtime/regions.py``):
+        True, False, or None (measured plan selection decides; without it, False)."""
+        self.compiled = compile is True
+        """Whether the deployed plan's workers run compiled programs (``compile``, or what measured
+        plan selection kept)."""
         if driver_state_limit_bytes is not None and not (isinstance(driver_state_limit_bytes, (int, float))
                                                          and driver_state_limit_bytes >= 0):
             raise TypeError(f"parallelize: driver_state_limit_bytes={driver_state_limit_bytes!r} must be a number of "
@@ -213,6 +218,8 @@ class ParallelStep(ResilientStep):
         elif choice is not None:
             self.plan, self.plan_source = choice, "measured (cache)"
             self.tuning = choice.options.get("tuning", [])
+            if self.compile is None:
+                self.compiled = tuner.kept_compiled(self.tuning)
         else:
             self.plan, self.plan_source = cached_plan(self.plan_cache, self.graph, self._planning_cluster(), options,
                                                       self.progress)
@@ -296,7 +303,7 @@ class ParallelStep(ResilientStep):
         t0 = time.perf_counter()
         cands = tuner.candidates(self.plan, self.graph, Cluster.from_dict(self.plan.cluster), self.options,
                                  self.plan_cache, self.progress)  # the cluster the plan was priced on
-        if len(cands) == 1:
+        if len(cands) == 1 and self.compile is not None:
             return
         scalars = self._functional.host_scalars()
         leaves = self._batch_leaves(batch)
@@ -308,9 +315,10 @@ class ParallelStep(ResilientStep):
             self.engine.record(self.trace)
             return observations
 
-        kept = tuner.select(cands, lambda plan, fresh: self._use(plan, model, optimizer, batch, sources, fresh),
+        kept = tuner.select(cands, lambda plan, fresh, compiled: self._use(plan, model, optimizer, batch, sources,
+                                                                            fresh, compiled),
                             lambda: self.engine.step(leaves, scalars), observe,
-                            lambda: self.engine.memory())
+                            lambda: self.engine.memory(), try_compiled=self.compile is None)
         tuner.store_choice(self.plan_cache, self.graph, self.cluster, self.options, cands, kept)
         corrections = calibration.fit([ob for c in cands for ob in c.observations])
         calibration.store(self.plan_cache, self.cluster, corrections)
@@ -322,10 +330,12 @@ class ParallelStep(ResilientStep):
         if self.progress is not None:
             self.progress(text)
 
-    def _use(self, plan: ParallelPlan, model, optimizer, batch, sources: list, fresh: bool = False) -> None:
+    def _use(self, plan: ParallelPlan, model, optimizer, batch, sources: list, fresh: bool = False,
+             compiled: bool = False) -> None:
         """Deploy ``plan`` on the running workers (on new ones if ``fresh``: none of the memory the
-        earlier plans left) and load the state ``sources`` give into it."""
-        self.plan = plan
+        earlier plans left; their programs compiled if ``compiled``) and load the state ``sources``
+        give into it."""
+        self.plan, self.compiled = plan, compiled
         self.run_graph = self._runtime_graph(model, optimizer, batch)
         if fresh:
             self._stop_workers()
@@ -387,15 +397,15 @@ class ParallelStep(ResilientStep):
     def _deploy(self):
         self.deployments += 1
         engine, self._recomputed = deploy_plan(self.group, self.plan, self.run_graph, self.cluster, self._seed,
-                                               self._combine, self.compile, self._compile_cache())
+                                               self._combine, self.compiled, self._compile_cache())
         if self.trace:
             engine.record(True)
         return engine
 
     def _compile_cache(self) -> str | None:
         """Where workers keep compiled regions: beside the plans (``<plan cache>/compiled``); None
-        without a plan cache (``plan_cache=False``) or without ``compile``."""
-        return str(self.plan_cache.root / "compiled") if self.compile and self.plan_cache else None
+        without a plan cache (``plan_cache=False``) or without compiling."""
+        return str(self.plan_cache.root / "compiled") if self.compiled and self.plan_cache else None
 
     def measured_trace(self, path: str | os.PathLike[str] | None = None) -> dict:
         """What every worker did in the last step, when: a Chrome/Perfetto trace (``viz.trace_from_events``;
@@ -693,10 +703,11 @@ def parallelize(train_step: Callable | Cluster | None = None, cluster: Cluster |
     plan cache; ``step.tuning`` lists them; ``alpa_torch.tune``), ``trace`` (default False:
     True records when each worker ran each forward, backward, update, transfer and gradient
     reduction of a step; ``step.measured_trace(path)`` gives the last step's as a Perfetto
-    trace), ``compile`` (default False: True compiles each worker's runs of local kernels with
-    Inductor after the first step, kept beside the plans so that a second run of the script
-    loads them and compiles nothing; a run that fails to compile runs as before, logged;
-    ``runtime/regions.py``). The default cluster is ``Cluster.local(1, 2)``.
+    trace), ``compile`` (True compiles each worker's runs of local kernels with Inductor after
+    the first step, kept beside the plans so that a second run of the script loads them and
+    compiles nothing; a run that fails to compile runs as before, logged; ``runtime/regions.py``.
+    The default, None, leaves it to measured plan selection, which runs the kept plan compiled
+    too and keeps the faster; without ``tune`` it is False). The default cluster is ``Cluster.local(1, 2)``.
 
     Mixed precision: ``precision`` is 'fp32' (default), 'bf16' or 'fp16'. With 'bf16' /
     'fp16' the step's forward and loss run under ``torch.autocast`` (matmuls in the low

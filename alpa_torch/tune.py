@@ -33,6 +33,12 @@ faster. So ``parallelize`` (``tune=True``, the default) treats its prediction as
   plans simulated at 74 and 186 MiB measured 337 and 591 MiB); where the first candidate
   measured over the device, one on the same meshes simulated to need more is not measured
   (``_cannot_fit``);
+- with ``compile`` left to it (``parallelize(compile=None)``, the default), the plan kept so
+  far is measured once more with its workers' programs compiled (``runtime/regions.py``; the
+  compiling happens in the untimed steps), as a candidate of its own, even where it was the
+  only plan measured: compiled kernels run faster or slower than replayed ones by model,
+  sequence length and device (docs/benchmarks.md §4: 0.84-1.01x on this machine's CPUs), and
+  the compiled program keeps no donation, so it needs more memory;
 - the fastest measured that may fit is kept, the initial state loaded into it, and training
   starts; on new workers if it held more than the plan may use in its trial (with what the
   earlier trials left); where none may fit, the one that needed the least, on new workers,
@@ -75,7 +81,7 @@ STEPS = 6
 """Trial steps per measured candidate."""
 SKIP = 3
 """Trial steps not timed (DTensor's first run, the replay's recording, its code generation)."""
-TUNE_VERSION = 6
+TUNE_VERSION = 7
 """Part of the cache key of a measured choice: a change of the rules above misses."""
 ENV_VAR = "ALPA_TORCH_TUNE"
 """``ALPA_TORCH_TUNE=0``: the default of ``tune`` is False (the test suite runs so; see tests/conftest.py)."""
@@ -95,8 +101,11 @@ class Candidate:
     """One plan ``parallelize`` may keep."""
 
     label: str
-    """'search', 'N stages, N microbatches', 'N stages', 'one stage' or 'data parallel'."""
+    """'search', 'N stages, N microbatches', 'N stages', 'one stage' or 'data parallel'; ', compiled'
+    after it for a compiled one."""
     plan: ParallelPlan
+    compiled: bool = False
+    """Its workers' programs compiled (``parallelize(compile=True)``)."""
     measured_s: float | None = None
     """Median step time of the timed trial steps; None: not measured."""
     measured_bytes: float | None = None
@@ -114,7 +123,8 @@ class Candidate:
         return {"label": self.label, "plan": self.plan.summary(), "predicted_s": self.plan.predicted_step_s,
                 "measured_s": self.measured_s, "predicted_bytes": self.plan.peak_memory_bytes,
                 "measured_bytes": self.measured_bytes, "own_bytes": self.own_bytes,
-                "budget_bytes": self.plan.memory_budget_bytes, "note": self.note, "kept": kept}
+                "budget_bytes": self.plan.memory_budget_bytes, "note": self.note, "kept": kept,
+                "compiled": self.compiled}
 
     def fits(self) -> bool:
         """Measured within the memory its plan may use per device (True where not measured)."""
@@ -228,11 +238,10 @@ def _meshes(plan: ParallelPlan) -> list[tuple]:
 
 
 def keep(cands: list[Candidate]) -> Candidate:
-    """The fastest measured candidate that may fit its device's memory (two or more were
-    measured), with a note saying why it was kept; one that cannot gets a note saying so.
-    Where none may fit, the one with the least memory of its own, with a warning (the memory
-    promise is broken). The kept one runs on new workers unless it fitted in its trial's
-    (``select``)."""
+    """The fastest measured candidate that may fit its device's memory, with a note saying why it
+    was kept; one that cannot gets a note saying so. Where none may fit, the one with the least
+    memory of its own, with a warning (the memory promise is broken). The kept one runs on new
+    workers unless it fitted in its trial's (``select``)."""
     measured = sorted((c for c in cands if c.measured_s is not None), key=lambda c: c.measured_s)
     for c in measured:
         if not c.may_fit():
@@ -251,6 +260,8 @@ def keep(cands: list[Candidate]) -> Candidate:
     if best is not measured[0]:  # a faster one cannot fit
         best.note = (f"fastest measured that fits: {best.measured_s * 1e3:.1f} ms (the {measured[0].label} plan "
                      f"measured {measured[0].measured_s * 1e3:.1f} ms but does not fit)")
+    elif len(measured) == 1:
+        best.note = f"the only candidate measured: {best.measured_s * 1e3:.1f} ms"
     else:
         runner = measured[1]
         best.note = (f"fastest measured: {best.measured_s * 1e3:.1f} ms against {runner.measured_s * 1e3:.1f} ms "
@@ -261,46 +272,57 @@ def keep(cands: list[Candidate]) -> Candidate:
     return best
 
 
-def select(cands: list[Candidate], use: Callable[[ParallelPlan, bool], None], step: Callable[[], object],
+def select(cands: list[Candidate], use: Callable[[ParallelPlan, bool, bool], None], step: Callable[[], object],
            observe: Callable[[ParallelPlan], list[dict]],
-           memory: Callable[[], list[tuple[float, float]]]) -> Candidate:
+           memory: Callable[[], list[tuple[float, float]]], try_compiled: bool = False) -> Candidate:
     """The candidate to keep, measured where the predictions are close (module docstring).
 
-    ``cands[0]`` is deployed with the initial state; ``use(plan, fresh)`` deploys a plan on the
-    workers (on new ones if ``fresh``) and loads the initial state into it; ``step()`` runs one
-    trial step; ``observe(plan)`` runs one more, recorded, and returns ``calibration.observe``'s
-    records of it; ``memory()`` gives, per device of the deployed plan, the most memory it held
-    since the plan was deployed and how much of it earlier trials had left, in bytes
-    (``Engine.memory``). On return the kept plan is deployed with the initial state."""
+    ``cands[0]`` is deployed with the initial state, uncompiled; ``use(plan, fresh, compiled)``
+    deploys a plan on the workers (on new ones if ``fresh``; their programs compiled if
+    ``compiled``) and loads the initial state into it; ``step()`` runs one trial step;
+    ``observe(plan)`` runs one more, recorded, and returns ``calibration.observe``'s records of
+    it; ``memory()`` gives, per device of the deployed plan, the most memory it held since the
+    plan was deployed and how much of it earlier trials had left, in bytes (``Engine.memory``).
+    ``try_compiled``: the kept plan is measured compiled too, and appended to ``cands``. On
+    return the kept plan is deployed with the initial state."""
     trials = to_measure(cands)
-    if len(trials) == 1:  # the cost model tells them apart: nothing to measure
+    if len(trials) == 1 and not try_compiled:  # the cost model tells them apart: nothing to measure
         kept = trials[0]
         kept.note = f"the only candidate predicted within {margin(cands):g}x of the fastest"
         if kept is not cands[0]:
-            use(kept.plan, False)
+            use(kept.plan, False, False)
         return kept
     deployed = cands[0]
     for c in trials:
-        if c is not deployed:
-            if _cannot_fit(c, cands[0]):
-                continue
-            use(c.plan, False)
-            deployed = c
-        times = []
-        for _ in range(STEPS):
-            t = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t)
-        c.measured_s = statistics.median(times[SKIP:])
-        c.observations = observe(c.plan)
-        held = memory()  # per device: (peak, of it left by earlier trials)
-        c.measured_bytes = max(peak for peak, _ in held)
-        c.own_bytes = max(peak - left for peak, left in held)
+        if c is deployed or not _cannot_fit(c, cands[0]):
+            deployed = _trial(c, deployed, use, step, observe, memory)
     kept = keep(cands)
+    if try_compiled:
+        cands.append(Candidate(f"{kept.label}, compiled", kept.plan, compiled=True))
+        _trial(cands[-1], deployed, use, step, observe, memory)
+        kept = keep(cands)
     # The trial steps changed the state: load it again; in fresh workers where the kept plan's
     # devices held more than it may use (what the earlier trials left counted in its measurement).
-    use(kept.plan, not kept.fits())
+    use(kept.plan, not kept.fits(), kept.compiled)
     return kept
+
+
+def _trial(c: Candidate, deployed: Candidate, use: Callable, step: Callable, observe: Callable,
+           memory: Callable) -> Candidate:
+    """Measure ``c`` (``select``), deploying it unless it is ``deployed``; the candidate deployed after."""
+    if c is not deployed:
+        use(c.plan, False, c.compiled)
+    times = []
+    for _ in range(STEPS):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    c.measured_s = statistics.median(times[SKIP:])
+    c.observations = [] if c.compiled else observe(c.plan)  # the cost model prices kernels replayed
+    held = memory()  # per device: (peak, of it left by earlier trials)
+    c.measured_bytes = max(peak for peak, _ in held)
+    c.own_bytes = max(peak - left for peak, left in held)
+    return c
 
 
 def report(tuning: list[dict]) -> str:
@@ -348,6 +370,11 @@ def store_choice(cache: PlanCache | None, graph: OpGraph, cluster: Cluster, opti
         cache.put(tuned_fields(graph, cluster, options), kept.plan)
 
 
+def kept_compiled(tuning: list[dict]) -> bool:
+    """Whether the kept candidate of a measured choice (``Candidate.to_dict``s) was the compiled one."""
+    return any(t["kept"] and t.get("compiled", False) for t in tuning)
+
+
 def _decisions(plan: ParallelPlan) -> str:
     d = plan_decisions(plan)
     d.pop("options", None)
@@ -355,5 +382,5 @@ def _decisions(plan: ParallelPlan) -> str:
 
 
 __all__ = ["CALIBRATED_MARGIN", "ENV_VAR", "MARGIN", "SKIP", "STEPS", "Candidate", "cached_choice", "candidates",
-           "enabled", "fewer_microbatches", "keep", "margin", "report", "select", "store_choice", "to_measure",
-           "tuned_fields", "variants"]
+           "enabled", "fewer_microbatches", "keep", "kept_compiled", "margin", "report", "select", "store_choice",
+           "to_measure", "tuned_fields", "variants"]

@@ -61,7 +61,7 @@ def main(argv=None) -> int:
             print(f"step {i} loss {loss:.6f}", flush=True)
         log.info("%d steps in %.1f s (first step includes capture, planning and start-up)",
                  args.steps, time.perf_counter() - t0)
-        print(f"plan ({step.plan_source}):\n{step.plan.table()}", flush=True)
+        print(f"plan ({step.plan_source}{', compiled' if step.compiled else ''}):\n{step.plan.table()}", flush=True)
         if reference is not None:
             ref_opt = make_optimizer("adamw", reference)
             worst = max(abs(float(train_step(reference, ref_opt, make_batch("gpt", args.batch, seed=i)).detach()) - l)

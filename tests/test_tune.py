@@ -81,7 +81,7 @@ def test_select_measures_each_close_candidate_and_leaves_the_kept_one_deployed(m
     monkeypatch.setattr(tuner.time, "perf_counter", lambda: next(clock) * speed[id(deployed[-1])])
     held = {id(plans[0]): 1.0e6, id(plans[1]): 2.0e6}
     fresh = []
-    kept = tuner.select(cands, lambda p, new: (deployed.append(p), fresh.append(new)), lambda: None,
+    kept = tuner.select(cands, lambda p, new, compiled: (deployed.append(p), fresh.append(new)), lambda: None,
                         lambda p: [{"plan": p}], lambda: [(held[id(deployed[-1])], 0.0)])
     assert kept is cands[1] and cands[2].measured_s is None
     assert cands[0].measured_s == 2.0 and cands[1].measured_s == 1.0
@@ -89,6 +89,34 @@ def test_select_measures_each_close_candidate_and_leaves_the_kept_one_deployed(m
     assert [c.observations for c in cands] == [[{"plan": plans[0]}], [{"plan": plans[1]}], []]
     assert deployed == [plans[0], plans[1], plans[1]]  # measured, then loaded again with the initial state
     assert fresh == [False, False]  # it fits: the workers stay
+
+
+def test_the_kept_plan_is_measured_compiled_too_and_the_faster_kept(monkeypatch):
+    """``try_compiled`` (``compile`` left to measurement): even a plan measured alone is run once
+    more compiled, as a candidate of its own without calibration records (the cost model prices
+    replayed kernels); the faster is kept and deployed as it ran."""
+    graph, cluster, plan = _plans()
+    slow = dataclasses.replace(plan, predicted_step_s=plan.predicted_step_s * (tuner.MARGIN + 1))
+
+    def select(compiled_speed: float):
+        cands = [tuner.Candidate("search", plan), tuner.Candidate("data parallel", slow)]
+        deployed = [(plan, False)]
+        clock = iter(range(1000))
+        monkeypatch.setattr(tuner.time, "perf_counter",
+                            lambda: next(clock) * (compiled_speed if deployed[-1][1] else 2.0))
+        kept = tuner.select(cands, lambda p, fresh, compiled: deployed.append((p, compiled)), lambda: None,
+                            lambda p: [{"plan": p}], lambda: [(1.0e6, 0.0)], try_compiled=True)
+        return cands, kept, deployed
+
+    for compiled_speed, want_compiled in ((1.0, True), (3.0, False)):
+        cands, kept, deployed = select(compiled_speed)
+        twin = cands[-1]
+        assert [c.label for c in cands] == ["search", "data parallel", "search, compiled"]
+        assert twin.compiled and twin.plan is plan and twin.observations == [] and cands[1].measured_s is None
+        assert (kept is twin) == want_compiled and kept.compiled == want_compiled
+        assert deployed == [(plan, False), (plan, True), (plan, want_compiled)]
+        tuning = [c.to_dict(c is kept) for c in cands]
+        assert tuner.kept_compiled(tuning) == want_compiled and "search, compiled" in tuner.report(tuning)
 
 
 def test_a_trial_is_timed_on_the_steps_after_the_replays_code_generation(monkeypatch):
@@ -108,7 +136,7 @@ def test_a_trial_is_timed_on_the_steps_after_the_replays_code_generation(monkeyp
 
     deploy(plans[0])
     monkeypatch.setattr(tuner.time, "perf_counter", lambda: now[0])
-    kept = tuner.select(cands, lambda p, fresh: deploy(p), step, lambda p: [], lambda: [(0.0, 0.0)])
+    kept = tuner.select(cands, lambda p, fresh, compiled: deploy(p), step, lambda p: [], lambda: [(0.0, 0.0)])
     assert [c.measured_s for c in cands] == pytest.approx([0.3, 0.2]) and kept is cands[1]
 
 
@@ -139,7 +167,7 @@ def test_a_kept_plan_that_did_not_fit_the_trial_workers_runs_on_new_ones():
     smaller = dataclasses.replace(plan, peak_memory_bytes=plan.peak_memory_bytes / 2)  # so it is measured
     cands = [tuner.Candidate("search", plan), tuner.Candidate("one stage", smaller)]
     uses = []
-    kept = tuner.select(cands, lambda p, fresh: uses.append(fresh), lambda: None, lambda p: [],
+    kept = tuner.select(cands, lambda p, fresh, compiled: uses.append(fresh), lambda: None, lambda p: [],
                         lambda: [(2 * plan.memory_budget_bytes, 0.0)])
     assert not kept.fits() and uses == [False, True]  # the second trial, then the kept plan on new workers
 
@@ -154,7 +182,7 @@ def test_a_trial_over_the_device_only_with_what_earlier_trials_left_is_kept_on_n
     held = iter([[(1.5 * budget, 0.0)], [(1.2 * budget, 0.6 * budget)]])  # the search's, then the second's
     clock = iter(range(1000))
     uses = []
-    kept = tuner.select(cands, lambda p, fresh: uses.append(fresh), lambda: next(clock) and None,
+    kept = tuner.select(cands, lambda p, fresh, compiled: uses.append(fresh), lambda: next(clock) and None,
                         lambda p: [], lambda: next(held))
     assert kept is cands[1] and uses == [False, True] and not kept.fits() and kept.may_fit()
     assert "on new workers" in kept.note and "left by earlier trials" in kept.note
@@ -169,7 +197,7 @@ def test_a_candidate_that_cannot_fit_where_the_first_one_did_not_is_not_measured
     bigger = dataclasses.replace(plan, peak_memory_bytes=plan.peak_memory_bytes * 2)
     cands = [tuner.Candidate("search", plan), tuner.Candidate("data parallel", bigger)]
     uses = []
-    kept = tuner.select(cands, lambda p, fresh: uses.append(fresh), lambda: None, lambda p: [],
+    kept = tuner.select(cands, lambda p, fresh, compiled: uses.append(fresh), lambda: None, lambda p: [],
                         lambda: [(2 * plan.memory_budget_bytes, 0.0)])
     assert kept is cands[0] and uses == [True] and cands[1].measured_s is None
     assert "cannot fit, not measured" in cands[1].note
@@ -177,7 +205,7 @@ def test_a_candidate_that_cannot_fit_where_the_first_one_did_not_is_not_measured
     elsewhere = dataclasses.replace(bigger, stages=tuple(
         dataclasses.replace(st, device_ids=tuple(moved[d] for d in st.device_ids)) for st in bigger.stages))
     cands = [tuner.Candidate("search", plan), tuner.Candidate("data parallel", elsewhere)]
-    tuner.select(cands, lambda p, fresh: None, lambda: None, lambda p: [],
+    tuner.select(cands, lambda p, fresh, compiled: None, lambda: None, lambda p: [],
                  lambda: [(2 * plan.memory_budget_bytes, 0.0)])
     assert cands[1].measured_s is not None
 
@@ -244,6 +272,8 @@ def test_tuned_step_trains_as_eager_and_its_choice_is_cached(tmp_path):
     for name, p in eager.named_parameters():
         torch.testing.assert_close(state["model"][name], p.detach(), atol=1e-5, rtol=0, msg=name)
     assert len(tuning) >= 2 and sum(t["measured_s"] is not None for t in tuning) >= 2, tuning
+    assert tuning[-1]["compiled"] and tuning[-1]["label"].endswith(", compiled"), tuning  # compile=None: measured
+    assert step.compiled == tuner.kept_compiled(tuning)
     assert all(t["measured_bytes"] > 0 for t in tuning if t["measured_s"] is not None), tuning
     assert any("measured plan selection" in m for m in messages)
     assert step.plan_source.startswith("measured")
@@ -256,7 +286,7 @@ def test_tuned_step_trains_as_eager_and_its_choice_is_cached(tmp_path):
     try:
         again(model2, make_optimizer("adamw", model2), make_batch("gpt", 8, seed=0))
         assert again.plan_source == "measured (cache)" and again.plan.summary() == kept.summary()
-        assert again.tuning == tuning
+        assert again.tuning == tuning and again.compiled == tuner.kept_compiled(tuning)
     finally:
         again.shutdown()
 
