@@ -120,6 +120,9 @@ def worker(system: str, workload: str, length: int, steps: int, warmup: int, thr
            "step_median_ms": round(1e3 * statistics.median(times[warmup:]), 1), **peak()}
     if system.startswith("parallelize"):
         row["plan"] = step_fn.plan.table().splitlines()[-3] if step_fn.plan else None
+        row["compiled"] = step_fn.compiled  # ``compile=None``: what measured plan selection kept
+        row["tuning"] = [{"label": t["label"], "measured_ms": None if t["measured_s"] is None else
+                          round(1e3 * t["measured_s"], 1), "kept": t["kept"]} for t in step_fn.tuning]
         if system == "parallelize_compiled":
             row["regions"] = step_fn.group.call_all(_regions)[0]
         step_fn.shutdown()

@@ -18,8 +18,12 @@ torch thread per process, as alpa-torch's virtual devices), on the same seeded G
 (``alpa_torch.zoo.GPT``), global batches and AdamW (foreach off):
 
 - ``ddp``: ``DistributedDataParallel``, the batch split over the ranks;
+- ``ddp_compile``: the same DDP model wrapped in ``torch.compile`` (PyTorch's DDP notes: wrap
+  with DDP first, then compile; Dynamo's DDP optimizer cuts the graph at the gradient buckets);
 - ``fsdp2`` / ``fsdp2_keep``: ``fully_shard`` on every block, then on the model, with
   ``reshard_after_forward`` True / False;
+- ``fsdp2_compile``: ``fsdp2`` with every block compiled before it is sharded
+  (``block.compile(fullgraph=True)``), as torchtitan applies ``torch.compile`` per block;
 - ``fsdp2_tp``: a 2-D ``DeviceMesh`` (dp = world / 2, tp = 2): in every block
   ``parallelize_module`` with ``ColwiseParallel`` on the fused qkv and the MLP's first
   matmul and ``RowwiseParallel`` on the attention output and the MLP's second; the fused
@@ -45,8 +49,11 @@ the plan must fit it) and counts a peer only if its measured memory fits it.
 Output, JSON lines (``--out`` appends them to a file too): one per (workload, system,
 repeat) with step_s, steps_s, mem_mb, losses, loss_diff against single-device eager
 (max over steps); one per (workload, system) with the median and spread over repeats;
-one summary line with, per workload, the best peer and ``auto_over_best_peer`` = best
-peer's step time / alpa-torch's (target >= 1.0), the machine's load and the date.
+one summary line with, per workload, the best peer, compiled or eager, and
+``auto_over_best_peer`` = best peer's step time / alpa-torch's (target >= 1.0), the machine's
+load and the date. A workload with more devices than the machine has cores is marked
+``oversubscribed``: there its processes share cores, and the timings measure the machine more
+than the plans.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 import statistics
 import sys
 import time
@@ -115,13 +123,25 @@ WORKLOADS = {
     # per rank: its measured growth over start-up is ~290 MB, above this limit; pipelines and FSDP2 + TP stay under
     "wide_1x4_256mb": VsWorkload(WIDE, 1, 4, memory_mb=256),
 }
-SYSTEMS = ("alpa", "ddp", "fsdp2", "fsdp2_keep", "fsdp2_tp", "pipe_1f1b", "pipe_interleaved")
+SYSTEMS = ("alpa", "ddp", "ddp_compile", "fsdp2", "fsdp2_keep", "fsdp2_compile", "fsdp2_tp", "pipe_1f1b",
+           "pipe_interleaved")
 
 
 # ---------------------------------------------------------------- torch workers (spawned processes)
 
 
-def _fsdp2_worker(rank, world, port, cfg, queue, reshard_after_forward=True):
+def _ddp_compile_worker(rank, world, port, cfg, queue):
+    from torch.nn.parallel import DistributedDataParallel
+
+    _init_rank(rank, world, port)
+    base = current_rss_mb()
+    model = torch.compile(DistributedDataParallel(build_model(cfg)))
+    opt = make_optimizer("adamw", model)
+    times, losses = _timed_loop(cfg, _data_parallel_step(model, opt, cfg, rank, world))
+    _report(rank, world, times, losses, base, queue)
+
+
+def _fsdp2_worker(rank, world, port, cfg, queue, reshard_after_forward=True, compile_blocks=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -130,6 +150,8 @@ def _fsdp2_worker(rank, world, port, cfg, queue, reshard_after_forward=True):
     mesh = init_device_mesh("cpu", (world,))
     model = build_model(cfg)
     for block in model.blocks:
+        if compile_blocks:
+            block.compile(fullgraph=True)
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     opt = make_optimizer("adamw", model)
@@ -186,8 +208,10 @@ def _fsdp2_tp_worker(rank, world, port, cfg, queue):
 
 TORCH_WORKERS = {
     "ddp": _ddp_worker,
+    "ddp_compile": _ddp_compile_worker,
     "fsdp2": _fsdp2_worker,
     "fsdp2_keep": functools.partial(_fsdp2_worker, reshard_after_forward=False),
+    "fsdp2_compile": functools.partial(_fsdp2_worker, compile_blocks=True),
     "fsdp2_tp": _fsdp2_tp_worker,
     "pipe_1f1b": functools.partial(_pipeline_worker, schedule="1f1b"),
     "pipe_interleaved": functools.partial(_pipeline_worker, schedule="interleaved"),
@@ -317,7 +341,8 @@ def summarize(lines: list[dict], wl_name: str, wl: VsWorkload) -> tuple[list[dic
         systems.append(entry)
     usable = {e["system"]: e for e in systems if "step_s" in e and e.get("fits", True) and not e["failed"]}
     peers = {k: e for k, e in usable.items() if k != "alpa"}
-    verdict = {"workload": wl_name, "cluster": f"{wl.hosts}x{wl.devices}", "memory_mb": wl.memory_mb}
+    verdict = {"workload": wl_name, "cluster": f"{wl.hosts}x{wl.devices}", "memory_mb": wl.memory_mb,
+               "oversubscribed": wl.world > (os.cpu_count() or 1)}
     if peers:
         best = min(peers, key=lambda k: peers[k]["step_s"])
         verdict.update(best_peer=best, best_peer_step_s=peers[best]["step_s"])
