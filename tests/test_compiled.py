@@ -4,7 +4,8 @@ Each plan family runs 3 steps with its workers' runs of local kernels compiled b
 is compared with single-device eager training (fp32, atol 1e-5; ``tests/test_runtime.run_case``):
 one device, data parallel (its gradient buckets end regions), tensor parallel and a sharded
 update (collectives between regions), and a two-stage pipeline through ``parallelize``. Each
-also checks that the workers compiled something and that nothing fell back. All but the
+also checks that the workers compiled something and that nothing fell back. A second run of
+the mission's call loads every compiled region from the cache beside its plan. All but the
 one-device case are marked slow (each compiles for a minute or so on 2 cores; CI runs them).
 """
 
@@ -52,6 +53,7 @@ def _loaded(state) -> list[bool]:
     return [r.loaded for r in state["runner"].program.fast.regions]
 
 
+@pytest.mark.slow
 def test_a_second_run_of_a_script_loads_its_compiled_regions(tmp_path):
     """The mission's call with ``compile=True`` run twice, as two runs of one script would: the
     first compiles the worker's regions and keeps them beside its plan, the second loads every
