@@ -215,12 +215,15 @@ def _data_parallel_step(model, opt, cfg: BenchConfig, rank: int, world: int):
     return step
 
 
-def _ddp_worker(rank: int, world: int, port: int, cfg: BenchConfig, queue) -> None:
+def _ddp_worker(rank: int, world: int, port: int, cfg: BenchConfig, queue, compile_model: bool = False) -> None:
+    """DDP on this rank; ``compile_model``: the DDP model wrapped in ``torch.compile`` (DDP first)."""
     from torch.nn.parallel import DistributedDataParallel
 
     _init_rank(rank, world, port)
     base = current_rss_mb()
     model = DistributedDataParallel(build_model(cfg))
+    if compile_model:
+        model = torch.compile(model)
     opt = make_optimizer("adamw", model)
     times, losses = _timed_loop(cfg, _data_parallel_step(model, opt, cfg, rank, world))
     _report(rank, world, times, losses, base, queue)

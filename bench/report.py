@@ -259,12 +259,13 @@ def row(target: Target) -> str:
 def headline() -> str:
     """The README's one line: the headline figures, read from the same files as the page."""
     peers = _summary(load(latest(TARGETS[0])))
-    ratios = [r for r in peers["auto_over_best_peer"].values() if r is not None]
+    measured = {w: r for w, r in peers["auto_over_best_peer"].items() if r is not None}
+    ratios = list(measured.values())
     plans = [line for line in load(latest(TARGETS[3])) if "case" in line]
     slowest = max(plans, key=lambda c: c["wall_s"])
     gpu = load(latest(TARGETS[10]))[-1]
     workloads = "–".join(f"{r:g}" for r in sorted({min(ratios), max(ratios)})) + (
-        f" on {len(ratios)} CPU workloads" if len(ratios) > 1 else f" on {next(iter(peers['auto_over_best_peer']))}")
+        f" on {len(ratios)} CPU workloads" if len(ratios) > 1 else f" on {next(iter(measured))}")
     return (f"{README_PREFIX} ([docs/results.md](docs/results.md), generated from the raw JSON): best PyTorch peer "
             f"(compiled or eager) / alpa-torch {workloads} (target ≥ 1.0, "
             f"{'met' if peers['target_met'] else 'not met'}); `alpa-torch plan` of {slowest['case']} in "

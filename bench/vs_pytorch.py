@@ -130,17 +130,6 @@ SYSTEMS = ("alpa", "ddp", "ddp_compile", "fsdp2", "fsdp2_keep", "fsdp2_compile",
 # ---------------------------------------------------------------- torch workers (spawned processes)
 
 
-def _ddp_compile_worker(rank, world, port, cfg, queue):
-    from torch.nn.parallel import DistributedDataParallel
-
-    _init_rank(rank, world, port)
-    base = current_rss_mb()
-    model = torch.compile(DistributedDataParallel(build_model(cfg)))
-    opt = make_optimizer("adamw", model)
-    times, losses = _timed_loop(cfg, _data_parallel_step(model, opt, cfg, rank, world))
-    _report(rank, world, times, losses, base, queue)
-
-
 def _fsdp2_worker(rank, world, port, cfg, queue, reshard_after_forward=True, compile_blocks=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -208,7 +197,7 @@ def _fsdp2_tp_worker(rank, world, port, cfg, queue):
 
 TORCH_WORKERS = {
     "ddp": _ddp_worker,
-    "ddp_compile": _ddp_compile_worker,
+    "ddp_compile": functools.partial(_ddp_worker, compile_model=True),
     "fsdp2": _fsdp2_worker,
     "fsdp2_keep": functools.partial(_fsdp2_worker, reshard_after_forward=False),
     "fsdp2_compile": functools.partial(_fsdp2_worker, compile_blocks=True),
