@@ -16,11 +16,13 @@ there (``CompiledArtifact.save``, written to a temporary file renamed over the e
 ``artifact_key``: the graph's code, every input's shape, strides, dtype and device, torch's
 version, Inductor's configuration and the machine's vector instructions or GPU generation. A
 later run of the same program on such a machine loads it and compiles nothing; an entry that
-does not load is logged and compiled again. Compiled code checks its inputs' layouts; an input laid out
-otherwise than when compiled (an earlier region's compiled output) compiles the region again,
-once. A region that fails to compile runs its kernels one by one as before, with one log line
-naming the reason (without ``compile`` no region is made). A value a region produces and no
-later step reads stays inside it: Inductor decides its memory.
+does not load is logged and compiled again. Compiled code is specialized on its inputs' shapes
+and strides; an input laid out otherwise than when compiled (an earlier region's compiled output)
+compiles the region again, once. A region that fails to compile runs its kernels one by one as
+before, with one log line naming the reason (without ``compile`` no region is made). A value a
+region produces and no later step reads stays inside it: Inductor decides its memory. An input
+whose last reader is inside the region is handed over with the call (``_taking_list``): the
+compiled code frees it after its last use, as eager frees a saved activation during the backward.
 
 What a region never holds: a step that writes into a dead input (``donation.py``: the compiled
 code decides its own buffer reuse, so a compiling runner turns donation off), a gradient marker
@@ -70,6 +72,8 @@ class Region:
         """Why compiling failed (the region then runs eagerly), or None."""
         self.compile_s = 0.0
         self._in_kinds: list[int | None] = []
+        self._in_layouts: list[tuple[torch.Size, tuple[int, ...]]] = []
+        """Each flat input's shape and strides when compiled."""
         self._out_kinds: list[tuple[type, int] | None] = []
         self._relaid = False
         """Whether it was compiled again for inputs laid out otherwise (once; a second time it fails)."""
@@ -77,26 +81,29 @@ class Region:
     def __call__(self, env: dict) -> None:
         if self.compiled is None and self.failed is None:
             self._compile(env)
+        if self.compiled is not None and not self._laid_out_as_compiled(env):
+            if self._relaid:  # layouts that keep changing: the kernels as written from now on
+                self._fail("inputs laid out differently again")
+            else:
+                self._relaid = True
+                log.info("region at step %d: an input is laid out otherwise than when compiled; compiling again",
+                         self.index)
+                self._compile(env)
         if self.compiled is None:
             self.eager(env)
             return
-        try:
-            values = iter(self.compiled(self._flatten([env[a] for a in self.inputs])))
-        except AssertionError as exc:  # Inductor checks each input's layout before anything runs
-            if self._relaid:  # layouts that keep changing: the kernels as written from now on
-                self._fail(f"inputs laid out differently again ({str(exc).splitlines()[0][:120]})")
-                self.eager(env)
-                return
-            self._relaid = True
-            log.info("region at step %d: an input is laid out otherwise than when compiled; compiling again",
-                     self.index)
-            self.compiled = None
-            self(env)
-            return
-        for name in self.freed:
+        args = self._flatten([env[a] for a in self.inputs])
+        for name in self.freed:  # the compiled code holds the last reference and frees it after its last use
             env.pop(name, None)
+        values = iter(self.compiled(args))
         for name, kind in zip(self.outputs, self._out_kinds):
             env[name] = next(values) if kind is None else kind[0](next(values) for _ in range(kind[1]))
+
+    def _laid_out_as_compiled(self, env: dict) -> bool:
+        """Whether every input has the shape and strides the compiled code was specialized on (it
+        asserts them after taking its inputs, too late to run the region another way)."""
+        flat = self._flatten([env[a] for a in self.inputs])
+        return all(t.shape == shape and t.stride() == stride for t, (shape, stride) in zip(flat, self._in_layouts))
 
     def _flatten(self, values: list) -> list:
         """``values`` of ``inputs`` as the compiled function takes them: a tuple's elements each."""
@@ -160,8 +167,10 @@ class Region:
             results = [fake[name] for name in self.outputs]
             self._out_kinds = [None if (n := _arity(r)) is None else (type(r), n) for r in results]
             consts = [get() for get in self.constants.values()]
-            fn, self.loaded = compiled_artifact(self.graph(), self._flatten(args) + consts, self.cache)
-            self.compiled = lambda values: fn(*values, *consts)
+            flat = self._flatten(args)
+            fn, self.loaded = compiled_artifact(self.graph(), flat + consts, self.cache)
+            self._in_layouts = [(t.shape, t.stride()) for t in flat]
+            self.compiled = _taking_list(fn, consts)
         except Exception as exc:  # noqa: BLE001 - any failure falls back to the kernels as they are
             self._fail(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
         self.compile_s += time.perf_counter() - t0
@@ -195,6 +204,27 @@ def compiled_artifact(gm: fx.GraphModule, example: list[torch.Tensor],
             log.warning("could not save the compiled region %s (%s); continuing without", path, exc)
             tmp.unlink(missing_ok=True)
     return artifact, False
+
+
+def _taking_list(artifact: Callable, consts: list) -> Callable[[list], Any]:
+    """A function of the region's flat inputs as one list, which it empties: the compiled code
+    (AOTAutograd's boxed calling convention, as ``torch.compile`` calls it) then holds the only
+    reference to an input the caller let go of, and frees it after its last use, as eager does,
+    instead of when the region ends. A ``CompiledArtifact`` is called with its inputs as
+    arguments, which keeps them all until it returns; its list-taking function is the closure
+    variable ``compiled_fn`` of the callable or of one it wraps (``__wrapped__``; PyTorch 2.13's
+    fresh and loaded artifacts). Where none is found the artifact is called as documented."""
+    fn = getattr(artifact, "_compiled_fn", artifact)
+    while fn is not None:
+        cells = dict(zip(getattr(fn, "__code__", None) and fn.__code__.co_freevars or (),
+                         (c.cell_contents for c in getattr(fn, "__closure__", None) or ())))
+        if callable(boxed := cells.get("compiled_fn")) and not cells.get("params_buffers_flat"):
+            def call(args: list, boxed=boxed) -> Any:
+                args.extend(consts)
+                return boxed(args)
+            return call
+        fn = getattr(fn, "__wrapped__", None)
+    return lambda args: artifact(*args, *consts)
 
 
 def artifact_key(gm: fx.GraphModule, example: list[torch.Tensor]) -> str:

@@ -140,6 +140,37 @@ def test_compiled_regions_run_like_the_records():
     assert all(r.compiled is not None and r.failed is None for r in run.regions)
 
 
+def test_a_compiled_region_frees_an_input_at_its_last_use(tmp_path):
+    """An input whose last reader is inside a region is handed to the compiled code, which frees it
+    after that use (as eager frees a saved activation during the backward), not when the region
+    returns: the region's peak does not hold every input to its end. Compiled here or loaded from
+    the cache alike."""
+    import weakref
+
+    def f(x):
+        return (torch.tanh(x) * 2).sum(dim=0)  # x is read once, first
+
+    x = torch.randn(64, 64)
+    for loaded in (False, True):  # the first run compiles and saves, the second loads
+        run, inputs, _ = _regions_run(f, (x,), cache=str(tmp_path))
+        run(dict(zip(inputs, (x.clone(),))), None)
+        (region,) = run.regions
+        compiled, events = region.compiled, []
+
+        def watched(args, compiled=compiled, events=events):
+            out = compiled(args)
+            events.append("returned")
+            return out
+
+        region.compiled = watched
+        value = x.clone()
+        weakref.finalize(value, events.append, "input freed")
+        env = dict(zip(inputs, (value,)))
+        del value
+        torch.testing.assert_close(run(env, None)[0], f(x))
+        assert region.loaded == loaded and events == ["input freed", "returned"]
+
+
 def test_a_region_that_fails_to_compile_runs_as_written(monkeypatch, caplog):
     """Compiling fails (here Inductor is made to raise): the region says why, in one log line, and
     runs its kernels one by one from then on, with the same results."""
