@@ -15,11 +15,11 @@ faster. So ``parallelize`` (``tune=True``, the default) treats its prediction as
   count once;
 - a candidate predicted within ``MARGIN`` times the fastest prediction is measured
   (``select``, called by ``ParallelStep._tune``): deployed on the step's workers, loaded with the initial state,
-  run ``STEPS`` steps on the first batch with the results thrown away, timed from step
-  ``SKIP`` + 1 on (on a stage of several devices the first step runs through DTensor, the
-  second records the replay, the third generates the replay's code: 0.6 s for the 2,372
-  operators of ``bench/vs_pytorch.py``'s deep GPT, more than its step; the median of the
-  steps after them);
+  run on the first batch with the results thrown away: ``SKIP`` steps untimed (on a stage of
+  several devices the first step runs through DTensor, the second records the replay, the
+  third generates the replay's code: 0.6 s for the 2,372 operators of
+  ``bench/vs_pytorch.py``'s deep GPT, more than its step), then timed steps until they took
+  ``TIMED_S`` (within ``TIMED_STEPS``), the median of them;
   one more step is recorded, per stage and kind of cost (``alpa_torch.calibration``),
   and the corrections those records give are stored for the cluster, so later plannings on it
   price stages at the measured rates; planned with such corrections, the candidates are
@@ -77,10 +77,14 @@ MARGIN = 2.0
 """A candidate predicted slower than ``MARGIN`` x the fastest prediction is not measured."""
 CALIBRATED_MARGIN = 1.25
 """``MARGIN`` for candidates planned with measured cost corrections (``Cluster.cost_correction``)."""
-STEPS = 6
-"""Trial steps per measured candidate."""
 SKIP = 3
 """Trial steps not timed (DTensor's first run, the replay's recording, its code generation)."""
+TIMED_STEPS = (3, 20)
+"""The fewest and the most timed trial steps per measured candidate."""
+TIMED_S = 1.0
+"""Timed trial steps go on, up to ``TIMED_STEPS``' most, until they took this long: a 1.5 s step
+is timed 3 times, a 30 ms step 20 (three steps of 30 ms on shared cores could not tell a 5 %
+difference between the replayed and the compiled program apart)."""
 TUNE_VERSION = 7
 """Part of the cache key of a measured choice: a change of the rules above misses."""
 ENV_VAR = "ALPA_TORCH_TUNE"
@@ -312,12 +316,14 @@ def _trial(c: Candidate, deployed: Candidate, use: Callable, step: Callable, obs
     """Measure ``c`` (``select``), deploying it unless it is ``deployed``; the candidate deployed after."""
     if c is not deployed:
         use(c.plan, False, c.compiled)
-    times = []
-    for _ in range(STEPS):
+    for _ in range(SKIP):
+        step()
+    timed: list[float] = []
+    while len(timed) < TIMED_STEPS[1] and (len(timed) < TIMED_STEPS[0] or sum(timed) < TIMED_S):
         t = time.perf_counter()
         step()
-        times.append(time.perf_counter() - t)
-    c.measured_s = statistics.median(times[SKIP:])
+        timed.append(time.perf_counter() - t)
+    c.measured_s = statistics.median(timed)
     c.observations = [] if c.compiled else observe(c.plan)  # the cost model prices kernels replayed
     held = memory()  # per device: (peak, of it left by earlier trials)
     c.measured_bytes = max(peak for peak, _ in held)
@@ -381,6 +387,6 @@ def _decisions(plan: ParallelPlan) -> str:
     return json.dumps(d, sort_keys=True)
 
 
-__all__ = ["CALIBRATED_MARGIN", "ENV_VAR", "MARGIN", "SKIP", "STEPS", "Candidate", "cached_choice", "candidates",
-           "enabled", "fewer_microbatches", "keep", "kept_compiled", "margin", "report", "select", "store_choice",
-           "to_measure", "tuned_fields", "variants"]
+__all__ = ["CALIBRATED_MARGIN", "ENV_VAR", "MARGIN", "SKIP", "TIMED_S", "TIMED_STEPS", "Candidate", "cached_choice",
+           "candidates", "enabled", "fewer_microbatches", "keep", "kept_compiled", "margin", "report", "select",
+           "store_choice", "to_measure", "tuned_fields", "variants"]

@@ -140,6 +140,25 @@ def test_a_trial_is_timed_on_the_steps_after_the_replays_code_generation(monkeyp
     assert [c.measured_s for c in cands] == pytest.approx([0.3, 0.2]) and kept is cands[1]
 
 
+def test_a_short_step_is_timed_more_often_than_a_long_one(monkeypatch):
+    """Timed trial steps go on until they took ``TIMED_S``: a long step is timed ``TIMED_STEPS``'
+    fewest times, a short one up to their most, enough to tell a few per cent apart."""
+    graph, cluster, plan = _plans()
+    now, calls, length = [0.0], [], [0.0]
+
+    def step():
+        now[0] += length[0]
+        calls.append(length[0])
+
+    monkeypatch.setattr(tuner.time, "perf_counter", lambda: now[0])
+    for step_s, want in ((1.5, tuner.TIMED_STEPS[0]), (0.03, tuner.TIMED_STEPS[1]), (0.25, 4)):
+        length[0], calls[:] = step_s, []
+        cand = tuner.Candidate("search", plan)  # measured replayed, then compiled
+        tuner.select([cand], lambda p, fresh, compiled: None, step, lambda p: [], lambda: [(0.0, 0.0)],
+                     try_compiled=True)
+        assert len(calls) == 2 * (tuner.SKIP + want) and cand.measured_s == pytest.approx(step_s)
+
+
 def test_a_candidate_measured_over_the_device_memory_is_not_kept_however_fast(caplog):
     """The simulation lets a plan in; the measurement of its devices' memory can still rule it out."""
     graph, cluster, plan = _plans()
