@@ -85,7 +85,7 @@ TIMED_S = 1.0
 """Timed trial steps go on, up to ``TIMED_STEPS``' most, until they took this long: a 1.5 s step
 is timed 3 times, a 30 ms step 20 (three steps of 30 ms on shared cores could not tell a 5 %
 difference between the replayed and the compiled program apart)."""
-TUNE_VERSION = 7
+TUNE_VERSION = 8
 """Part of the cache key of a measured choice: a change of the rules above misses."""
 ENV_VAR = "ALPA_TORCH_TUNE"
 """``ALPA_TORCH_TUNE=0``: the default of ``tune`` is False (the test suite runs so; see tests/conftest.py)."""
