@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch._C._dynamo.guards import assert_size_stride
 
 from .program import CALL, GET_ATTR, GETITEM, MARKER, Slot
 
@@ -72,7 +73,7 @@ class Region:
         """Why compiling failed (the region then runs eagerly), or None."""
         self.compile_s = 0.0
         self._in_kinds: list[int | None] = []
-        self._in_layouts: list[tuple[torch.Size, tuple[int, ...]]] = []
+        self._in_layouts: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         """Each flat input's shape and strides when compiled."""
         self._out_kinds: list[tuple[type, int] | None] = []
         self._relaid = False
@@ -100,10 +101,15 @@ class Region:
             env[name] = next(values) if kind is None else kind[0](next(values) for _ in range(kind[1]))
 
     def _laid_out_as_compiled(self, env: dict) -> bool:
-        """Whether every input has the shape and strides the compiled code was specialized on (it
-        asserts them after taking its inputs, too late to run the region another way)."""
-        flat = self._flatten([env[a] for a in self.inputs])
-        return all(t.shape == shape and t.stride() == stride for t, (shape, stride) in zip(flat, self._in_layouts))
+        """Whether every input has the shape and strides the compiled code was specialized on, by
+        the check that code makes itself (``assert_size_stride``: a size-1 dimension's stride is
+        free), but before it takes the inputs, while the region can still run another way."""
+        try:
+            for t, (shape, stride) in zip(self._flatten([env[a] for a in self.inputs]), self._in_layouts):
+                assert_size_stride(t, shape, stride)
+        except AssertionError:
+            return False
+        return True
 
     def _flatten(self, values: list) -> list:
         """``values`` of ``inputs`` as the compiled function takes them: a tuple's elements each."""
@@ -169,7 +175,7 @@ class Region:
             consts = [get() for get in self.constants.values()]
             flat = self._flatten(args)
             fn, self.loaded = compiled_artifact(self.graph(), flat + consts, self.cache)
-            self._in_layouts = [(t.shape, t.stride()) for t in flat]
+            self._in_layouts = [(tuple(t.shape), t.stride()) for t in flat]
             self.compiled = _taking_list(fn, consts)
         except Exception as exc:  # noqa: BLE001 - any failure falls back to the kernels as they are
             self._fail(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")

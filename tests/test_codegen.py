@@ -227,6 +227,11 @@ def test_a_region_given_inputs_laid_out_otherwise_compiles_again_once(caplog):
         out = run(dict(zip(inputs, (value,))), None)
         torch.testing.assert_close(out[0], (value * 2).sum(dim=0))
     assert region.compiled is None and region.failed.startswith("inputs laid out differently again")
+    column = torch.randn(4, 1)  # a size-1 dimension's stride is free, as the compiled code checks it
+    run, inputs, _ = _regions_run(lambda x: (x * 2).sum(dim=0), (column,))
+    for value in (column, torch.randn(1, 4).t()):
+        torch.testing.assert_close(run(dict(zip(inputs, (value,))), None)[0], (value * 2).sum(dim=0))
+    assert not run.regions[0]._relaid and run.regions[0].compiled is not None
 
 
 def test_compiled_regions_are_saved_and_a_second_run_loads_them(tmp_path, caplog):
