@@ -7,7 +7,8 @@ Modules, bottom-up (``docs/architecture.md`` §4 says more of each):
 - ``devices``         where a device's tensors live
 - ``wire``            tensors across Ray as numpy, bit for bit
 - ``rng``             random operators seeded per operator, step, microbatch and shard
-- ``switches``        the debugging switches (``ALPA_TORCH_REPLAY``, ``ALPA_TORCH_DONATE``, ``ALPA_TORCH_EARLY_ANSWER``)
+- ``switches``        the debugging switches (``ALPA_TORCH_REPLAY``, ``ALPA_TORCH_DONATE``, ``ALPA_TORCH_P2P_TAGS``,
+  ``ALPA_TORCH_EARLY_ANSWER``)
 - ``device_memory``   the memory a device's worker holds, freed memory given back
 - ``worker``          ``DeviceWorker``: one device's actor, its process group and state
 - ``group``           ``WorkerGroup``: the actors, calls with timeouts, failures as ``WorkerError``

@@ -6,7 +6,9 @@ sends those boxes with non-blocking point-to-point operations and assembles
 each destination device's shard. Both sides compute the same plan from the
 same specs, so no metadata travels. Tags make every message unique
 (crossing index, microbatch), so the order in which sends and receives are
-posted cannot deadlock.
+posted cannot deadlock on gloo; NCCL ignores tags, and ``ALPA_TORCH_P2P_TAGS=0``
+(``wire_tag``) runs a plan as NCCL would match its messages: by the order of
+posting alone.
 """
 
 from __future__ import annotations
@@ -22,8 +24,15 @@ from alpa_torch.core.spec import ShardingSpec
 
 from .devices import mesh_device
 from .resharding import MeshPlacement, plan_transfer
+from .switches import P2P_TAGS_ENV, switch_on
 
 _TAG_STRIDE = 1 << 12  # microbatches per crossing
+_TAGS = switch_on(P2P_TAGS_ENV)
+
+
+def wire_tag(tag: int) -> int:
+    """The tag a message carries: its own, or 0 under ``ALPA_TORCH_P2P_TAGS=0`` (``switches.py``)."""
+    return tag if _TAGS else 0
 
 
 def mesh_placement(ranks, shape) -> MeshPlacement:
@@ -82,7 +91,7 @@ def send(value: DTensor | torch.Tensor, dst_spec: str, src_mesh: MeshPlacement, 
     works = []
     for t in plan.transfers_from(me):
         piece = local[t.box.relative_to(tile)].contiguous()
-        works.append((dist.isend(piece, t.dst_device, tag=tag), piece))
+        works.append((dist.isend(piece, t.dst_device, tag=wire_tag(tag)), piece))
     return works
 
 
@@ -102,7 +111,7 @@ def recv(shape, dtype, src_spec: str, dst_spec: str, src_mesh: MeshPlacement, ds
     pending = []
     for t in plan.transfers_to(me):
         buf = torch.empty(t.box.shape, dtype=dtype, device=device)
-        pending.append((dist.irecv(buf, t.src_device, tag=tag), buf, t.box))
+        pending.append((dist.irecv(buf, t.src_device, tag=wire_tag(tag)), buf, t.box))
     for work, buf, box in pending:
         work.wait()
         local[box.relative_to(tile)] = buf
@@ -126,10 +135,10 @@ def _gather_within_destination(plan, me: int, tile, local: torch.Tensor, tag: in
             if device == me:
                 continue
             if mine.numel:
-                sends.append((dist.isend(piece, device, tag=tag), piece))
+                sends.append((dist.isend(piece, device, tag=wire_tag(tag)), piece))
             if box.numel:
                 buf = torch.empty(box.shape, dtype=local.dtype, device=local.device)
-                recvs.append((dist.irecv(buf, device, tag=tag), buf, box))
+                recvs.append((dist.irecv(buf, device, tag=wire_tag(tag)), buf, box))
     for work, buf, box in recvs:
         work.wait()
         local[box.relative_to(tile)] = buf

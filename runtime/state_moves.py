@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from alpa_torch.core.spec import ShardingSpec
 
+from .comm import wire_tag
 from .resharding import MeshPlacement, plan_transfer
 
 
@@ -59,7 +60,7 @@ def move(moves: list[Move], held: dict[str, torch.Tensor | DTensor], device: tor
                     local[t.box] = piece
                 else:
                     piece = piece.contiguous()
-                    sends.append((dist.isend(piece, t.dst_device, tag=tag), piece))
+                    sends.append((dist.isend(piece, t.dst_device, tag=wire_tag(tag)), piece))
         if me in mv.dst_mesh.devices:
             dst_tile = plan.dst_tile(me)
             tile = torch.empty(dst_tile.shape, dtype=dtypes[mv.name], device=device)
@@ -69,7 +70,7 @@ def move(moves: list[Move], held: dict[str, torch.Tensor | DTensor], device: tor
                     tile[t.box.relative_to(dst_tile)] = local[t.box]
                 else:
                     buf = torch.empty(t.box.shape, dtype=tile.dtype, device=device)
-                    pending.append((dist.irecv(buf, t.src_device, tag=tag), buf, t.box))
+                    pending.append((dist.irecv(buf, t.src_device, tag=wire_tag(tag)), buf, t.box))
             for work, buf, box in pending:
                 work.wait()
                 tile[box.relative_to(dst_tile)] = buf

@@ -14,6 +14,14 @@ REPLAY_ENV = "ALPA_TORCH_REPLAY"
 DONATE_ENV = "ALPA_TORCH_DONATE"
 """``ALPA_TORCH_DONATE=0`` in a worker's environment: no operator runs in place on a dead input
 (``donation.py``; read when a runner is made)."""
+P2P_TAGS_ENV = "ALPA_TORCH_P2P_TAGS"
+"""``ALPA_TORCH_P2P_TAGS=0`` in a worker's environment: every point-to-point message carries tag 0,
+as under NCCL, which ignores tags and matches the messages between two ranks by the order both
+post them; a plan that equals eager so does not depend on its tags (``comm.wire_tag``; read when
+``comm`` is imported)."""
+WORKER_SWITCHES = (REPLAY_ENV, DONATE_ENV, P2P_TAGS_ENV)
+"""The switches a worker reads: set in the driver's environment, they reach the workers
+(``worker.actor_env``)."""
 EARLY_ANSWER_ENV = "ALPA_TORCH_EARLY_ANSWER"
 """``ALPA_TORCH_EARLY_ANSWER=0`` in the driver's environment: a step returns only when every worker
 has finished its update, so an error in a backward is raised by the step that ran it
@@ -25,4 +33,4 @@ def switch_on(name: str) -> bool:
     return os.environ.get(name, "1") != "0"
 
 
-__all__ = ["DONATE_ENV", "EARLY_ANSWER_ENV", "REPLAY_ENV", "switch_on"]
+__all__ = ["DONATE_ENV", "EARLY_ANSWER_ENV", "P2P_TAGS_ENV", "REPLAY_ENV", "WORKER_SWITCHES", "switch_on"]

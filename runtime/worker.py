@@ -44,6 +44,7 @@ import torch.distributed as dist
 from ray import cloudpickle
 
 from .device_memory import started_bytes
+from .switches import WORKER_SWITCHES
 from .wire import to_wire
 
 logger = logging.getLogger(__name__)
@@ -225,8 +226,10 @@ RemoteDeviceWorker = ray.remote(DeviceWorker)
 
 
 def actor_env(threads: int, oversubscribed: bool) -> dict[str, str]:
-    """Environment of a worker process: thread pools sized before torch loads."""
+    """Environment of a worker process: thread pools sized before torch loads, and the runtime's
+    switches as the driver's environment sets them (``switches.WORKER_SWITCHES``)."""
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env.update({name: os.environ[name] for name in WORKER_SWITCHES if name in os.environ})
     if oversubscribed:
         env["OMP_WAIT_POLICY"] = "PASSIVE"  # spinning pools on shared cores ran 2-4x slower (docs/design.md)
     return env

@@ -107,6 +107,24 @@ def test_pipeline_matches_eager(name, hosts, devices, stages, microbatches, sche
 
 
 @pytest.mark.usefixtures("ray_session")
+@pytest.mark.parametrize("name,hosts,stages,schedule,dst_gather", [
+    ("gpt", 1, TWO, "gpipe", None), ("gpt", 1, TWO, "1f1b", None), ("mlp", 2, UNEVEN, "1f1b", True)],
+    ids=["gpt-2stage-gpipe", "gpt-2stage-1f1b", "mlp-uneven-gather"])
+def test_pipelines_equal_eager_with_every_message_tagged_alike(monkeypatch, name, hosts, stages, schedule,
+                                                                dst_gather):
+    """NCCL ignores tags: the messages between two ranks match by the order both sides post them.
+    With ``ALPA_TORCH_P2P_TAGS=0`` (set in the driver's environment; the workers get it) every
+    message carries tag 0, and pipelines of 4 microbatches (several messages each way between one
+    pair of ranks a step, and a destination mesh's gather) still equal eager."""
+    from runtime.switches import P2P_TAGS_ENV
+    from runtime.worker import actor_env
+
+    monkeypatch.setenv(P2P_TAGS_ENV, "0")
+    assert actor_env(1, False)[P2P_TAGS_ENV] == "0"
+    run_pipeline(name, hosts, 2, stages, 4, schedule, cheap=True, dst_gather=dst_gather)
+
+
+@pytest.mark.usefixtures("ray_session")
 @pytest.mark.parametrize("name", [pytest.param("gpt", marks=pytest.mark.slow), "mlp"])
 def test_two_stages_of_pure_data_parallel(name):
     """2 stages x data parallel 2: each stage splits its microbatch over its 2 devices."""
