@@ -57,11 +57,18 @@ def _same(got, want) -> None:
         assert got == want
 
 
-@pytest.mark.parametrize("cluster, options", [
-    ((1, 2), {}),
-    pytest.param((2, 2), {"num_stages": 2, "num_microbatches": 2}, marks=pytest.mark.slow),
-])
-def test_evaluation_on_the_training_workers_equals_eager(cluster, options):
+@pytest.mark.parametrize("cluster, options, tags", [
+    ((1, 2), {}, True),
+    pytest.param((2, 2), {"num_stages": 2, "num_microbatches": 2}, True, marks=pytest.mark.slow),
+    pytest.param((2, 2), {"num_stages": 2, "num_microbatches": 2}, False, marks=pytest.mark.slow),
+], ids=["1x2", "2x2-pipeline", "2x2-pipeline-untagged"])
+def test_evaluation_on_the_training_workers_equals_eager(monkeypatch, cluster, options, tags):
+    """``untagged``: every point-to-point message with tag 0 (``ALPA_TORCH_P2P_TAGS=0``), as NCCL
+    matches them: the pipeline's crossings and the state moved to the evaluation's plan alike."""
+    if not tags:
+        from runtime.switches import P2P_TAGS_ENV
+
+        monkeypatch.setenv(P2P_TAGS_ENV, "0")
     eager = _net()
     model = copy.deepcopy(eager)
     eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
