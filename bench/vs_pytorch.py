@@ -261,7 +261,7 @@ def run_alpa(wl: VsWorkload, cfg: BenchConfig) -> dict:
         plan = step.plan
         out = {"step_s": statistics.median(times[cfg.warmup_steps:]), "steps_s": times, "losses": losses,
                "mem_mb": [p - b for p, b in zip(peak, base)], "first_step_s": round(times[0], 2),
-               "plan_source": step.plan_source, "plan": plan.summary(),
+               "plan_source": step.plan_source, "plan": plan.summary(), "compiled": step.compiled,
                "predicted_step_s": round(plan.predicted_step_s, 4)}
         if step.plan_source == "measured (search)":  # this call ran the trials, maybe on workers since replaced
             out["trials_mem_mb"] = max(t["measured_bytes"] or 0.0 for t in step.tuning) / 2**20
