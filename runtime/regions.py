@@ -82,34 +82,41 @@ class Region:
     def __call__(self, env: dict) -> None:
         if self.compiled is None and self.failed is None:
             self._compile(env)
-        if self.compiled is not None and not self._laid_out_as_compiled(env):
-            if self._relaid:  # layouts that keep changing: the kernels as written from now on
-                self._fail("inputs laid out differently again")
-            else:
-                self._relaid = True
-                log.info("region at step %d: an input is laid out otherwise than when compiled; compiling again",
-                         self.index)
-                self._compile(env)
-        if self.compiled is None:
+        args = None if self.compiled is None else self._flatten([env[a] for a in self.inputs])
+        if args is not None and not self._laid_out_as_compiled(args):
+            args = None  # no reference to the inputs kept while the region is compiled again or runs as written
+            self._compile_again(env)
+            if self.compiled is not None:
+                args = self._flatten([env[a] for a in self.inputs])
+        if args is None:
             self.eager(env)
             return
-        args = self._flatten([env[a] for a in self.inputs])
         for name in self.freed:  # the compiled code holds the last reference and frees it after its last use
             env.pop(name, None)
         values = iter(self.compiled(args))
         for name, kind in zip(self.outputs, self._out_kinds):
             env[name] = next(values) if kind is None else kind[0](next(values) for _ in range(kind[1]))
 
-    def _laid_out_as_compiled(self, env: dict) -> bool:
-        """Whether every input has the shape and strides the compiled code was specialized on, by
-        the check that code makes itself (``assert_size_stride``: a size-1 dimension's stride is
+    def _laid_out_as_compiled(self, flat: list) -> bool:
+        """Whether every flat input has the shape and strides the compiled code was specialized on,
+        by the check that code makes itself (``assert_size_stride``: a size-1 dimension's stride is
         free), but before it takes the inputs, while the region can still run another way."""
         try:
-            for t, (shape, stride) in zip(self._flatten([env[a] for a in self.inputs]), self._in_layouts):
+            for t, (shape, stride) in zip(flat, self._in_layouts):
                 assert_size_stride(t, shape, stride)
         except AssertionError:
             return False
         return True
+
+    def _compile_again(self, env: dict) -> None:
+        """An input laid out otherwise than when compiled: compile on these inputs, once; layouts
+        that change again leave the kernels running as written from then on."""
+        if self._relaid:
+            self._fail("inputs laid out differently again")
+            return
+        self._relaid = True
+        log.info("region at step %d: an input is laid out otherwise than when compiled; compiling again", self.index)
+        self._compile(env)
 
     def _flatten(self, values: list) -> list:
         """``values`` of ``inputs`` as the compiled function takes them: a tuple's elements each."""
