@@ -537,7 +537,7 @@ def parallelize(train_step: Callable | Cluster | None = None, cluster: Cluster |
     run instead of searching), ``num_microbatches``, ``num_stages``,
     ``num_layers``, ``pipeline=False`` (one stage on all devices),
     ``sharding=False`` (data parallel and pipeline only), ``memory_budget_bytes``
-    per device, ``schedule`` (a pipeline schedule's name: '1f1b', 'gpipe' or one defined with
+    per device, ``schedule`` (a pipeline schedule's name: '1f1b', 'gpipe', 'zb-h1' or one defined with
     ``alpa_torch.core.schedule.PipelineSchedule``), ``progress`` (a callable receiving planner
     messages), ``plan_cache`` (False, or a directory; default ``$ALPA_TORCH_CACHE`` or
     ``~/.cache/alpa_torch/plans``), ``checkpointing``

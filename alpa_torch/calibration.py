@@ -48,8 +48,8 @@ log = logging.getLogger(__name__)
 
 VERSION = 1
 """Part of the cache key of stored corrections: a change of what they mean misses."""
-EVENT_KINDS = {"forward": "compute", "backward": "compute", "update": "update", "collective": "update",
-               "transfer": "transfer", "step": "step"}
+EVENT_KINDS = {"forward": "compute", "backward": "compute", "weight": "compute", "update": "update",
+               "collective": "update", "transfer": "transfer", "step": "step"}
 """Category of a recorded event (``runtime/timeline.py``) -> the kind of cost it is measured against."""
 FITTED = ("compute", "update", "step")
 """The kinds ``fit`` learns from."""

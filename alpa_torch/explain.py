@@ -195,7 +195,8 @@ def explain(plan: ParallelPlan, top: int = 8) -> str:
     lines = [f"Plan: {plan.summary()}  ({len(plan.stages)} stage(s), {b} microbatch(es), {plan.schedule})",
              f"Cluster: {plan.cluster_description}",
              f"Predicted step: {total * _MS:.3f} ms = compute {plan.compute_s * _MS:.3f} + comm "
-             f"{plan.communication_s * _MS:.3f} + bubble {plan.bubble_s * _MS:.3f} (slowest stage, Alpa eq. 2)",
+             f"{plan.communication_s * _MS:.3f} + bubble {plan.bubble_s * _MS:.3f} (slowest stage, {plan.schedule}'s "
+             "step time)",
              "", "Time per stage and step (compute + comm + bubble = step time on every stage):"]
     head = ("stage", "devices", "mesh", "compute ms", "comm ms", "(cross-stage)", "bubble ms", "busy")
     rows = [head]

@@ -8,8 +8,9 @@ pyplot, no global figure state, no display needed):
   split into its parts: the optimizer update (``update_s`` per step, drawn once at
   the end), the cross-stage transfer ``x_k`` (``cross_stage_s``: activations in and
   gradients out, so one direction is ``x_k / 2``) and forward + backward
-  ``fb_k = t_k - x_k - update_s / B``, split 1/3 forward and 2/3 backward (a
-  backward computes two matmuls per forward matmul: dX and dW). ``simulate`` takes
+  ``fb_k = t_k - x_k - update_s / B``, split by the schedule (``PipelineSchedule.costs``:
+  1/3 forward and 2/3 backward, as a backward computes two matmuls per forward matmul, dX
+  and dW; a split backward's two parts 1/3 each). ``simulate`` takes
   one transfer time for every boundary, so the mean of ``x_k / 2`` over the
   stages that receive is used. The simulated makespan is not Alpa eq. 2's T: eq. 2
   charges each transfer inside its stage's time, the simulation on the critical
@@ -38,19 +39,20 @@ from typing import Any
 from alpa_torch.core.errors import require_extra
 from alpa_torch.core.plan import ParallelPlan, _ranges
 
-FORWARD_SHARE = 1.0 / 3.0
-"""Share of a stage's forward + backward time drawn as forward (module docstring)."""
 MAX_DEVICE_ROWS = 16
 _CMAP = "tab10"
 
 
 # ------------------------------------------------------------------ the predicted timeline
 def stage_times(plan: ParallelPlan) -> dict[str, list[float] | float]:
-    """Per-stage simulate() inputs from the plan (module docstring): fwd_s, bwd_s, update_s, comm_s."""
+    """Per-stage simulate() inputs from the plan (module docstring): fwd_s, bwd_s, weight_s, update_s,
+    comm_s."""
+    from alpa_torch.core.schedule import schedule_named
+
     b = plan.num_microbatches
     fb = [max(s.time_s - s.cross_stage_s - s.update_s / b, 0.0) for s in plan.stages]
     receiving = [s.cross_stage_s / 2 for s in plan.stages[1:]]
-    return {"fwd_s": [FORWARD_SHARE * t for t in fb], "bwd_s": [(1 - FORWARD_SHARE) * t for t in fb],
+    return {**schedule_named(plan.schedule).costs(fb, len(plan.stages), b),
             "update_s": [s.update_s for s in plan.stages],
             "comm_s": sum(receiving) / len(receiving) if receiving else 0.0}
 
@@ -66,11 +68,11 @@ def predicted_timeline(plan: ParallelPlan):
 # ------------------------------------------------------------------ traces
 def trace_from_timeline(timeline, plan: ParallelPlan | None = None, per_device: bool = True) -> dict:
     """A Chrome/Perfetto trace (dict) of a simulated ``Timeline``: compute events only
-    (F, B, U); one row (tid) per device of each stage (pid), or one per stage with
+    (F, B, W, U); one row (tid) per device of each stage (pid), or one per stage with
     ``per_device=False`` or without a plan."""
-    from alpa_torch.core.schedule import BACKWARD, FORWARD, UPDATE
+    from alpa_torch.core.schedule import BACKWARD, FORWARD, UPDATE, WEIGHT
 
-    cats = {FORWARD: "forward", BACKWARD: "backward", UPDATE: "update"}
+    cats = {FORWARD: "forward", BACKWARD: "backward", WEIGHT: "weight", UPDATE: "update"}
     events: list[dict] = []
     for k, stage_events in enumerate(timeline.events):
         devices = plan.stages[k].device_ids if plan is not None else (k,)

@@ -261,7 +261,8 @@ def pipeline_rank(cfg: BenchConfig, rank: int, world: int, schedule: str = "1f1b
     """(schedule, optimizer) of this rank's ``torch.distributed.pipelining`` stages, ``cfg.microbatches``
     microbatches: for 'gpipe' and '1f1b' one stage, blocks ``block_ranges(cfg.n_layer, world)[rank]``;
     for 'interleaved' (``ScheduleInterleaved1F1B``) two of ``2 * world`` stages, ``rank`` and
-    ``rank + world`` (its loop order)."""
+    ``rank + world`` (its loop order); 'zb-h1' is ``ScheduleInterleavedZeroBubble`` (the paper's
+    ZB1P, ZB-H1 with virtual stages) with one stage a rank, that is ZB-H1."""
     from torch.distributed import pipelining as pp
 
     loops = 2 if schedule == "interleaved" else 1
@@ -275,6 +276,8 @@ def pipeline_rank(cfg: BenchConfig, rank: int, world: int, schedule: str = "1f1b
     # so with a mean loss per microbatch they equal the full-batch gradient.
     if schedule == "interleaved":
         return pp.ScheduleInterleaved1F1B(stages, cfg.microbatches, loss_fn=lm_loss), opt
+    if schedule == "zb-h1":
+        return pp.ScheduleInterleavedZeroBubble(stages, cfg.microbatches, loss_fn=lm_loss), opt
     kind = {"1f1b": pp.Schedule1F1B, "gpipe": pp.ScheduleGPipe}[schedule]
     return kind(stages[0], cfg.microbatches, loss_fn=lm_loss), opt
 

@@ -2,7 +2,7 @@
 
 Usage (from the repository root; about 6 minutes)::
 
-    python bench/schedules.py                                   # gpipe and 1f1b at 2, 4 and 8 microbatches
+    python bench/schedules.py                                   # gpipe, 1f1b, zb-h1 at 2, 4 and 8 microbatches
     python bench/schedules.py --schedules 1f1b --microbatches 4 --out docs/results/schedules_DATE.jsonl
 
 The deep GPT of ``bench/vs_pytorch.py`` (8 blocks of width 128, T 64, batch 16, AdamW) on
@@ -17,7 +17,8 @@ every schedule and microbatch count B:
   (``step.measured_trace``: per worker, the time outside its forwards, backwards and update,
   over the two workers' span of that step). ``step_ms``: the median step.
 - **PyTorch**: ``torch.distributed.pipelining``'s schedule of the same name
-  (``ScheduleGPipe``, ``Schedule1F1B``) over the same blocks split evenly
+  (``ScheduleGPipe``, ``Schedule1F1B``; for ZB-H1 ``ScheduleInterleavedZeroBubble``, the paper's
+  ZB1P, with one stage a rank) over the same blocks split evenly
   (``_common.pipeline_rank``), gloo, one thread a rank; ``torch_step_ms``: its median step.
 
 One JSON line per (schedule, B), then a summary line: the largest relative gap between
@@ -48,8 +49,8 @@ from _common import (
 from _plans import machine_info
 from vs_pytorch import DEEP
 
-SCHEDULES = ("gpipe", "1f1b")
-COMPUTE = ("forward", "backward", "update")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+COMPUTE = ("forward", "backward", "weight", "update")
 
 
 def measured_bubble(trace: dict) -> float:

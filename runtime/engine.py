@@ -30,7 +30,7 @@ import numpy as np
 
 from alpa_torch.core.errors import WorkerError
 from alpa_torch.core.microbatches import check_divisible, split_flags
-from alpa_torch.core.partition import partition
+from alpa_torch.core.partition import partition, phase_lists
 from alpa_torch.core.schedule import DEFAULT_SCHEDULE, schedule_named
 from alpa_torch.core.sharding import StageSharding
 
@@ -220,17 +220,19 @@ class Engine:
         """The stages' programs, crossings and compute orders, into ``setup``."""
         graph = self.graph
         programs, crossings = partition(graph, stage_of, len(self.stages))
+        pipeline_schedule = schedule_named(schedule)
+        split = pipeline_schedule.splits_backward(len(self.stages), self.num_microbatches)
         meta = {n.name: n.meta.get("val") for n in graph.gm.graph.nodes}
         names_of = {s.node: s.name for s in graph.inputs}
         loss_node = next(s.node for s in graph.outputs if s.kind == "loss")
         self.loss_stage = stage_of[loss_node]
         self.sources = [{names_of[n] for n in p.sources} for p in programs]
         setup.update(
-            programs=[{"forward": p.forward, "backward": p.backward, "update": p.update} for p in programs],
+            programs=[phase_lists(graph, p, crossings, split) for p in programs],
             crossings=crossings, loss_node=loss_node,
             value_meta={c.value: (tuple(meta[c.value].shape), str(meta[c.value].dtype).removeprefix("torch."))
                         for c in crossings},
-            orders=schedule_named(schedule).compute_order(len(self.stages), self.num_microbatches))
+            orders=pipeline_schedule.compute_order(len(self.stages), self.num_microbatches))
         setup["gather"] = self._gather_flags(crossings, setup, cluster, dst_gather)
 
     def _gather_flags(self, crossings, setup: dict, cluster, dst_gather: bool | None) -> list[bool]:

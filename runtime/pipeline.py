@@ -1,8 +1,10 @@
 """One device's part of a pipelined step: its stage's forward, backward and update.
 
 The driver gives each worker the order of its stage's compute (the plan's
-schedule, ``alpa_torch.core.schedule``: ('F', k) / ('B', k) for microbatch k). Around each
-phase the worker receives the crossings that phase reads and sends the ones it
+schedule, ``alpa_torch.core.schedule``: ('F', k) / ('B', k) for microbatch k, and ('W', k)
+where the schedule splits the backward: then the 'backward' program computes what is sent
+to the stage before and the 'weight' program the rest, ``core.partition.phase_lists``).
+Around each phase the worker receives the crossings that phase reads and sends the ones it
 produced (``comm.py``: exact tiles, tagged, non-blocking sends). Gradients
 (the ``alpa.grad`` values) are summed over microbatches and divided by their
 number, which equals the full-batch gradient of a mean loss; the update runs
@@ -37,7 +39,8 @@ from .program import MARKER
 from .replay import ValueMeta, meta_of, wrap
 from .timeline import StepRecorder
 
-PHASES = ("forward", "backward", "update")
+PHASES = ("forward", "backward", "weight", "update")
+_PHASE_OF = {"F": "forward", "B": "backward", "W": "weight"}
 
 
 class PipelineRunner:
@@ -72,23 +75,25 @@ class PipelineRunner:
         """Each phase's ``Program``, with what must outlive it (see the module docstring)."""
         r = self.runner
         by_name = {rec[1]: rec for rec in r.nodes}
-        records = {ph: [by_name[n] for n in program[ph]] for ph in PHASES}
+        records = {ph: [by_name[n] for n in program.get(ph, ())] for ph in PHASES}
         outputs = {node for _, _, node in r.outputs}
         sent = {ph: {c.value for _, c in self.crossings if c.src == self.stage and c.produced == ph}
                 for ph in ("forward", "backward")}
-        backward = r.compile(records["backward"])
-        backward_reads = backward.reads
+        weight = r.compile(records["weight"], outputs)
+        backward = r.compile(records["backward"], weight.reads | sent["backward"] | outputs)
+        backward_reads = backward.reads | weight.reads
         loss = {self.loss_node} if self.loss_node else set()
         self.programs = {
             "forward": r.compile(records["forward"], backward_reads | sent["forward"] | loss | outputs),
-            "backward": r.compile(records["backward"], sent["backward"] | outputs),
+            "backward": backward, "weight": weight,
             "update": r.compile(records["update"], outputs, collect=True, donate_state=True),
         }
         self.after = {"forward": (sent["forward"] | loss) - backward_reads - outputs,
-                      "backward": sent["backward"] - outputs}
+                      "backward": sent["backward"] - weight.reads - outputs, "weight": set()}
         """Values kept past a phase only to be sent or read as the loss: dropped after that."""
-        read_in_backward = {a for st in backward.steps for a in st.inputs}
-        self.markers = [st.name for st in backward.steps if st.kind == MARKER]
+        steps = backward.steps + weight.steps
+        read_in_backward = {a for st in steps for a in st.inputs}
+        self.markers = [st.name for st in steps if st.kind == MARKER]
         self._keep_marker = {m for m in self.markers if m in read_in_backward}
 
     # ------------------------------------------------------------------ comm
@@ -160,7 +165,8 @@ class PipelineRunner:
         envs: dict[int, dict] = {}
         self._grads: dict[str, Any] = {}
         self._partials: dict[str, torch.Tensor] = {}
-        last_mb = [mb for kind, mb in self.order if kind == "B"][-1]
+        split = any(kind == "W" for kind, _ in self.order)
+        last_mb = [mb for kind, mb in self.order if kind == ("W" if split else "B")][-1]
         last_forward = max(i for i, (kind, _) in enumerate(self.order) if kind == "F")
         r.rng.begin_step()
         rec = self.recorder
@@ -169,11 +175,11 @@ class PipelineRunner:
             r.buckets.begin(scale=n_mb if self.combine == "mean" else 1)
         works, losses, last = [], [], None
         for at, (kind, mb) in enumerate(self.order):
+            phase = _PHASE_OF[kind]
             if kind == "F":
                 env = envs[mb] = self._base_env(scalars, microbatches[mb])
-                phase = "forward"
             else:
-                env, phase = envs.pop(mb), "backward"
+                env = envs.pop(mb) if kind == ("W" if split else "B") else envs[mb]
             if ("recv", phase) in self._crosses:
                 with rec.span("recv", "transfer", microbatch=mb, phase=phase):
                     self._receive(env, mb, phase)
@@ -191,7 +197,7 @@ class PipelineRunner:
                 answer(self._combined(losses))
             for name in self.after[phase]:
                 env.pop(name, None)
-            if phase == "backward":
+            if phase != "forward":
                 last = env
             works = [w for w in works if not w[0].is_completed()]  # sent: their buffers can go
         env = self._base_env(scalars, None)

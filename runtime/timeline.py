@@ -6,11 +6,11 @@ one event per span of the last step: (name, category, start ns, end ns, details)
 wall clock (``time.time_ns``), which the processes of one host share and the hosts of a
 cluster keep close (NTP), so the events of every worker line up on one time axis.
 
-Categories: 'forward', 'backward', 'update' (a phase program of a stage; a one-stage
-plan runs its step as one program, 'step'), 'transfer' (receiving a cross-stage value,
-posting its sends, waiting for sends at the end of the step) and 'collective' (waiting
-for the gradient buckets' reductions, ``grad_buckets.py``). Names follow the predicted
-trace's (``alpa_torch.viz.trace_from_timeline``): 'F3' / 'B3' for microbatch 3, 'U'.
+Categories: 'forward', 'backward', 'weight', 'update' (a phase program of a stage, 'weight' a
+split backward's second part; a one-stage plan runs its step as one program, 'step'),
+'transfer' (receiving a cross-stage value, posting its sends, waiting for sends at the end of
+the step) and 'collective' (waiting for the gradient buckets' reductions, ``grad_buckets.py``).
+Names follow the predicted trace's (``alpa_torch.viz.trace_from_timeline``): 'F3' / 'B3' / 'W3' for microbatch 3, 'U'.
 Turning events into a Chrome/Perfetto trace is ``alpa_torch.viz.trace_from_events``'s.
 """
 

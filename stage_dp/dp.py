@@ -14,8 +14,9 @@ stages k = 0..K-1 covering 0..L-1 in order, with
     sum_k size[s_k] = D,   mns_k >= K-1-k,   K <= max_stages,
     T = sum_k t_k + w * max_k t_k
 
-with ``w`` the pipeline schedule's weight of its slowest stage (``max_weight``, from
-``alpa_torch.core.schedule``; B - 1 for GPipe and 1F1B: Alpa eq. 2).
+with ``w`` the pipeline schedule's weight of its slowest stage over that of the stages' sum
+(``max_weight / sum_weight``, from ``alpa_torch.core.schedule``; B - 1 for GPipe and 1F1B: Alpa
+eq. 2); the schedule's step time is ``sum_weight`` times this T, so both have one optimum.
 
 Algorithm. For a bound t, F_t[q, l, d] (``kernels.stage_dp_table``) is the
 least sum of stage costs over slicings of layers l..L-1 into q stages on
@@ -154,7 +155,8 @@ def build_candidates(cost, mns, sizes, num_devices, max_stages) -> _Candidates:
 
 def slowest_weight(schedule: PipelineSchedule | None, num_microbatches: int) -> float:
     """w of the module docstring: ``schedule``'s (default: the default schedule's) for B microbatches."""
-    return float((schedule or schedule_named(DEFAULT_SCHEDULE)).max_weight(int(num_microbatches)))
+    schedule, b = schedule or schedule_named(DEFAULT_SCHEDULE), int(num_microbatches)
+    return float(schedule.max_weight(b) / schedule.sum_weight(b))
 
 
 def _table(k, cands: _Candidates, num_devices, t_max_s, bottleneck):
@@ -238,7 +240,7 @@ def solve_stage_dp(stage_cost_s, max_n_succ_stages, submesh_sizes, num_devices,
                    use_numba=None) -> StageDPResult:
     """Optimal stage slicing (module docstring); raises NoFeasiblePlanError if none.
 
-    ``schedule`` gives w (``max_weight(num_microbatches)``); default: the default schedule.
+    ``schedule`` gives w (``slowest_weight``); default: the default schedule.
 
     stage_cost_s float [L, L, S, C] (inf = absent), max_n_succ_stages int
     [L, L, S, C] (-1 = never), submesh_sizes int [S]; entries with i < l ignored.

@@ -22,8 +22,9 @@ less elsewhere. This module replays what the runtime does, value by value, on si
 - **one stage, one microbatch** (``runtime/engine.py``): the whole step is one program;
   gradients are freed after their last reader in the update;
 - **a pipeline stage** (``runtime/pipeline.py``): forward and backward programs per
-  microbatch in the schedule's order (GPipe or 1F1B, ``alpa_torch/core/schedule.py``), each
-  forward's kept values parked until its backward, values received from other stages
+  microbatch in the schedule's order (``alpa_torch/core/schedule.py``), each
+  forward's kept values parked until its backward (a split backward's first part parks what
+  its second part reads until that runs), values received from other stages
   made at the start of the phase reading them; gradients are summed over microbatches
   into an accumulator (summing allocates the new sum while the old one exists) that
   lives until the end of the step, and divided by B before the update (a copy, except
@@ -49,7 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from alpa_torch.core.grad_op import GRAD_MARKER_NAME
-from alpa_torch.core.partition import partition, stage_of_nodes
+from alpa_torch.core.partition import partition, phase_lists, stage_of_nodes
 from alpa_torch.core.schedule import DEFAULT_SCHEDULE, schedule_named
 from alpa_torch.core.spec import ShardingSpec
 from intra_ilp import cost_model as cm
@@ -262,14 +263,15 @@ class _Stage:
         return peak, at_peak, live
 
 
-def simulate_stage(graph, sharding, *, forward=None, backward=None, update=None, num_microbatches: int = 1,
-                   order=None, received: dict | None = None, sent: dict | None = None,
+def simulate_stage(graph, sharding, *, forward=None, backward=None, update=None, weight=None,
+                   num_microbatches: int = 1, order=None, received: dict | None = None, sent: dict | None = None,
                    engine: bool | None = None) -> MemoryEstimate:
     """The simulated peak per device of one stage (module docstring).
 
     ``forward`` / ``backward`` / ``update``: the stage's operators per phase in graph order
-    (``alpa_torch.core.partition``; default: every node of ``graph`` by its phase). ``order``: the
-    stage's compute order [('F' | 'B', microbatch)] (default: one forward, one backward).
+    (``alpa_torch.core.partition``; default: every node of ``graph`` by its phase); ``weight``: a
+    split backward's second part (``partition.phase_lists``), run by the order's 'W's. ``order``:
+    the stage's compute order [('F' | 'B' | 'W', microbatch)] (default: one forward, one backward).
     ``received`` / ``sent``: {'forward' | 'backward': values received before / sent after
     that phase}. ``engine``: run as one program (``runtime/engine.py``; default when there
     is one microbatch and nothing crosses stages)."""
@@ -302,12 +304,14 @@ def simulate_stage(graph, sharding, *, forward=None, backward=None, update=None,
         return MemoryEstimate(peak_bytes=peak, phase=graph.nodes[node].phase if node in graph.nodes else "forward",
                               node=node, microbatch=0, state_bytes=state_bytes, parked_bytes=0.0, grad_bytes=0.0,
                               phase_peaks=by_phase)
-    fwd, bwd, upd = phases["forward"], phases["backward"], phases["update"]
-    bwd_reads = {a for n in bwd for a in graph.nodes[n].inputs} - set(bwd)
+    fwd, bwd, upd, wgt = phases["forward"], phases["backward"], phases["update"], list(weight or ())
+    wgt_reads = {a for n in wgt for a in graph.nodes[n].inputs} - set(wgt)
+    bwd_reads = ({a for n in bwd for a in graph.nodes[n].inputs} | wgt_reads) - set(bwd) - set(wgt)
     loss = {s.node for s in graph.outputs if s.kind == "loss"}
     keep_f = (bwd_reads | set(sent.get("forward", ())) | loss | outputs)
-    keep_b = set(sent.get("backward", ())) | outputs
-    order = order or [("F", 0), ("B", 0)]
+    keep_b = set(sent.get("backward", ())) | outputs | wgt_reads
+    order = [(getattr(kind, "value", kind), mb) for kind, mb in order or [("F", 0), ("B", 0)]]
+    split = any(kind == "W" for kind, _ in order)
     parked: dict[int, tuple[tuple, dict[str, float], float]] = {}  # mb -> (its forward's key, roots, bytes)
     acc: dict[str, float] = {}
     best = (-1.0, "", None, "forward")
@@ -320,33 +324,35 @@ def simulate_stage(graph, sharding, *, forward=None, backward=None, update=None,
     # 39B's 1024 programs at 256 microbatches on two stages (the plan's simulation 12-15 s -> 0.4-0.8 s).
     memo: dict[tuple, tuple[float, str, dict[str, float], dict[str, float]]] = {}
     parked_roots = {st.root_of(v) for v in bwd_reads}
+    wgt_roots = {st.root_of(v) for v in wgt_reads}
     for kind, mb in order:
         others = math.fsum(p[2] for k, p in parked.items() if k != mb)
-        forward = getattr(kind, "value", kind) == "F"
-        key = ("F" if forward else ("B", parked[mb][0] if mb in parked else None), frozenset(acc))
+        forward = kind == "F"
+        key = ("F" if forward else (kind, parked[mb][0] if mb in parked else None), frozenset(acc))
         if key not in memo:
             had = set(acc)
+            present = dict(parked[mb][1]) if mb in parked and not forward else {}
             if forward:
                 present = {n: sizes.bytes(n) for n in batch}
                 present.update({v: sizes.bytes(v) for v in received.get("forward", ())})
                 peak, node, live = st.program(fwd, keep_f, present, 0.0, accumulate=acc, external=external)
-            else:
-                present = dict(parked[mb][1]) if mb in parked else {}
+            elif kind == "B":
                 present.update({v: sizes.bytes(v) for v in received.get("backward", ())})
                 peak, node, live = st.program(bwd, keep_b, present, 0.0, accumulate=acc, external=external)
+            else:
+                peak, node, live = st.program(wgt, outputs, present, 0.0, accumulate=acc, external=external)
             memo[key] = (peak, node, live, {m: g for m, g in acc.items() if m not in had})
         else:
             acc.update(memo[key][3])
         peak, node, live, _ = memo[key]
         peak += state_bytes + others
-        if forward:
-            kept = {r: b for r, b in live.items() if r in parked_roots}
+        if forward or (kind == "B" and split):  # parked until the backward (its weight part)
+            kept = {r: b for r, b in live.items() if r in (wgt_roots if split and not forward else parked_roots)}
             parked[mb] = (key, kept, math.fsum(kept.values()))
             biggest_park = max(biggest_park, parked[mb][2])
-            phase = "forward"
         else:
             parked.pop(mb, None)
-            phase = "backward"
+        phase = "forward" if forward else "backward"
         phase_peaks[phase] = max(phase_peaks[phase], peak)
         if peak > best[0]:
             best = (peak, node, mb, phase)
@@ -377,16 +383,19 @@ def plan_memory(graph, layer_of: dict[str, int], stage_ranges, shardings, *, num
     stage_of = stage_of_nodes(graph, layer_of, ranges)
     programs, crossings = partition(graph, stage_of, k_total)
     engine = k_total == 1 and b == 1
-    orders = schedule_named(schedule).compute_order(k_total, b)
+    pipeline_schedule = schedule_named(schedule)
+    orders = pipeline_schedule.compute_order(k_total, b)
+    split = pipeline_schedule.splits_backward(k_total, b)
     out = []
     for k, prog in enumerate(programs):
-        order = orders[k]
+        order, lists = orders[k], phase_lists(graph, prog, crossings, split)
         received = {ph: [c.value for c in crossings if c.dst == k and c.consumed == ph]
                     for ph in ("forward", "backward")}
         sent = {ph: [c.value for c in crossings if c.src == k and c.produced == ph] for ph in ("forward", "backward")}
-        out.append(simulate_stage(graph, shardings[k], forward=list(prog.forward), backward=list(prog.backward),
-                                  update=list(prog.update), num_microbatches=b, order=order, received=received,
-                                  sent=sent, engine=engine))
+        out.append(simulate_stage(graph, shardings[k], forward=list(lists["forward"]),
+                                  backward=list(lists["backward"]), update=list(lists["update"]),
+                                  weight=list(lists.get("weight", ())), num_microbatches=b, order=order,
+                                  received=received, sent=sent, engine=engine))
     return out
 
 

@@ -7,8 +7,8 @@ the rules these follow. ``search.plan`` builds them for each B it tries; ``expla
 the DP on them for its runner-ups.
 
 Stage cost of layers i..j on submesh s with config c, per microbatch (the
-DP's t in the schedule's step time, ``T = Σ_k t_k + w max_k t_k``, ``w =
-PipelineSchedule.max_weight(B)``: B - 1 for GPipe and 1F1B, Alpa eq. 2)::
+DP's t in the schedule's step time, ``T = v Σ_k t_k + w max_k t_k``, ``v, w =
+PipelineSchedule.sum_weight(B), max_weight(B)``: 1 and B - 1 for GPipe and 1F1B, Alpa eq. 2)::
 
     t = (fb_ij - f_ij + upd_ij) / B + f_ij + a_ij (B-1) / B + x_i
     fb_ij   forward + backward time of the ILP solution (compute, collectives,

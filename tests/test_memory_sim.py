@@ -194,6 +194,29 @@ def test_plan_memory_matches_build_plan():
         assert e.phase in ("forward", "backward", "update")
 
 
+def test_a_split_backward_parks_what_its_weight_part_reads():
+    """ZB-H1 (``core/schedule.py``) holds a microbatch until its weight part: with 4 microbatches the
+    last of two stages holds up to two (1F1B: one), so its simulated peak is above 1F1B's and below
+    GPipe's (all four held until their whole backward)."""
+    from alpa_torch.core.cluster import Cluster
+    from alpa_torch.zoo import GPT, GPTConfig, _lm_batch, train_step
+    from stage_dp.search import plan
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.small(bias=False))
+    graph = capture(train_step, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                    _lm_batch(GPTConfig.small().vocab_size, 8, torch.Generator().manual_seed(0)))
+    p = plan(graph, Cluster.local(1, 2), num_stages=2, num_microbatches=4, schedule="zb-h1")
+    assert p.schedule == "zb-h1" and len(p.stages) == 2
+    peaks = {name: plan_memory(graph, p.layer_of, [(s.layer_start, s.layer_end) for s in p.stages],
+                               [s.sharding for s in p.stages], num_microbatches=4, schedule=name)
+             for name in ("1f1b", "zb-h1", "gpipe")}
+    assert [s.memory_bytes for s in p.stages] == [e.peak_bytes for e in peaks["zb-h1"]]
+    last = {name: est[1] for name, est in peaks.items()}
+    assert last["1f1b"].peak_bytes < last["zb-h1"].peak_bytes <= last["gpipe"].peak_bytes
+    assert last["zb-h1"].parked_bytes <= last["1f1b"].parked_bytes  # one microbatch's forward values at most
+
+
 def test_getitem_elements_are_made_with_their_producer():
     """A two-output operator's elements exist from the moment it runs (``getitem`` only names them)."""
     g = fx.Graph()

@@ -98,9 +98,15 @@ UNEVEN = [[0, 0, [0], [1, 1]], [1, 1, [1], [1, 1]], [2, 2, [2, 3], [1, 2]]]
         pytest.param("gpt", 2, 2, UNEVEN, 2, "1f1b", True, marks=pytest.mark.slow),
         ("mlp", 1, 2, TWO, 1, "gpipe", False),
         ("mlp", 2, 2, TWO_BY_DP2, 4, "1f1b", True),
+        ("gpt", 1, 2, TWO, 4, "zb-h1", False),
+        pytest.param("gpt", 1, 2, TWO, 2, "zb-h1", False, marks=pytest.mark.slow),
+        pytest.param("gpt", 1, 2, TWO, 8, "zb-h1", False, marks=pytest.mark.slow),
+        pytest.param("gpt", 2, 2, TWO_BY_DP2, 4, "zb-h1", False, marks=pytest.mark.slow),
+        pytest.param("gpt", 2, 2, FOUR, 4, "zb-h1", False, marks=pytest.mark.slow),
     ],
     ids=["gpt-2stage-1f1b", "gpt-2stage-x-2dev-gpipe", "gpt-4stage-4mb", "gpt-uneven-submeshes",
-         "mlp-2stage-1mb", "mlp-2stage-x-2dev-4mb"],
+         "mlp-2stage-1mb", "mlp-2stage-x-2dev-4mb", "gpt-2stage-zb-4mb", "gpt-2stage-zb-2mb", "gpt-2stage-zb-8mb",
+         "gpt-2stage-x-2dev-zb-4mb", "gpt-4stage-zb-4mb"],
 )
 def test_pipeline_matches_eager(name, hosts, devices, stages, microbatches, schedule, cheap):
     run_pipeline(name, hosts, devices, stages, microbatches, schedule, cheap)
@@ -161,6 +167,33 @@ def test_partition_crossings_flow_forward_then_backward():
     placeholder = {s.name: s.node for s in graph.inputs if s.kind == "param"}
     for param, marker in graph.grad_of.items():
         assert stage_of[marker] == stage_of[placeholder[param]]
+
+
+def test_a_split_backward_sends_from_its_first_part_and_computes_the_weight_gradients_in_its_second():
+    """Zero-bubble schedules run a stage's backward in two parts (``partition.phase_lists``): the
+    first computes exactly what is sent to the stage before, the second every weight gradient."""
+    from alpa_torch.core.partition import phase_lists
+
+    _, _, graph, stage_of, _ = _plan("gpt", FOUR, 2, cheap=False)
+    programs, crossings = partition(graph, stage_of, 4)
+    for prog in programs:
+        lists = phase_lists(graph, prog, crossings, split=True)
+        first, second = lists["backward"], lists["weight"]
+        assert sorted(first + second) == sorted(prog.backward)
+        sent = {c.value for c in crossings if c.src == prog.stage and c.produced == "backward"}
+        assert sent <= set(first)
+        assert bool(first) == (prog.stage > 0)  # the first stage sends nothing back
+        markers = {m for m in graph.grad_of.values() if stage_of[m] == prog.stage}
+        assert markers and markers <= set(second)
+        ancestors, todo = set(), list(sent)
+        while todo:  # nothing in the first part is there for the weight gradients alone
+            name = todo.pop()
+            if name in ancestors or name not in first:
+                continue
+            ancestors.add(name)
+            todo += graph.nodes[name].inputs
+        assert ancestors == set(first)
+    assert phase_lists(graph, programs[1], crossings, split=False)["backward"] == programs[1].backward
 
 
 def test_a_gpt_stage_boundary_moves_one_value_each_way():

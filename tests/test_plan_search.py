@@ -21,6 +21,7 @@ from alpa_torch.core.cluster import Cluster
 from alpa_torch.core.errors import BatchSplitError, InfeasibleMemoryError, PlanError
 from alpa_torch.core.options import PlanOptions
 from alpa_torch.core.plan import ParallelPlan, tile_submeshes
+from alpa_torch.core.schedule import schedule_named
 from alpa_torch.zoo import GPT, GPTConfig, _lm_batch, train_step
 from stage_dp import assign_layers, search
 from stage_dp.checkpointing import Checkpointing
@@ -179,7 +180,9 @@ def _check_invariants(p: ParallelPlan, graph, cluster):
     assert p.peak_memory_bytes <= p.memory_budget_bytes
     assert all(s.memory_bytes <= p.memory_budget_bytes for s in p.stages)
     times = [s.time_s for s in p.stages]
-    assert p.predicted_step_s == pytest.approx(sum(times) + (p.num_microbatches - 1) * max(times))
+    assert p.predicted_step_s == pytest.approx(schedule_named(p.schedule).step_time(times, p.num_microbatches))
+    if p.schedule in ("gpipe", "1f1b"):  # Alpa eq. 2
+        assert p.predicted_step_s == pytest.approx(sum(times) + (p.num_microbatches - 1) * max(times))
     assert p.predicted_step_s == pytest.approx(p.compute_s + p.communication_s + p.bubble_s)
     assert set(p.stage_nodes(0)) | set().union(*(p.stage_nodes(k) for k in range(len(p.stages)))) \
         == set(p.layer_of)
@@ -208,7 +211,10 @@ def test_forced_options(graph, models):
     assert [s.submesh for s in halves.stages] == [(1, 2), (1, 2)]
     gpipe = plan(graph, cl, cost_model=model, schedule="gpipe", num_microbatches=8)
     assert all(s.in_flight == 8 for s in gpipe.stages)
-    for p in (two, one, four, halves, gpipe):
+    one_f_one_b = plan(graph, cl, cost_model=model, num_microbatches=8, num_stages=2)
+    zero_bubble = plan(graph, cl, cost_model=model, schedule="zb-h1", num_microbatches=8, num_stages=2)
+    assert zero_bubble.predicted_step_s < one_f_one_b.predicted_step_s  # a third of the bubble
+    for p in (two, one, four, halves, gpipe, zero_bubble):
         _check_invariants(p, graph, cl)
     with pytest.raises(BatchSplitError, match="does not divide"):
         plan(graph, cl, cost_model=model, num_microbatches=3)

@@ -13,6 +13,7 @@ from alpa_torch.core.schedule import (
     SEND_ACT,
     SEND_GRAD,
     UPDATE,
+    WEIGHT,
     DeadlockError,
     Instruction,
     PipelineSchedule,
@@ -25,8 +26,9 @@ from alpa_torch.core.schedule import (
 )
 
 SIZES = [(s, b) for s in range(1, 9) for b in range(1, 17)]
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 gpipe, one_f_one_b = schedule_named("gpipe").programs, schedule_named("1f1b").programs
+zero_bubble = schedule_named("zb-h1")
 
 
 def compute_order(program):
@@ -126,7 +128,7 @@ def test_in_flight_peaks():
             assert schedule_named("1f1b").in_flight(s - 1 - k, b) == min(s - k, b)
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("name", ("gpipe", "1f1b"))
 def test_unit_cost_makespan_is_analytic(name):
     # GPipe (and 1F1B, whose bubble is the same) take (B + S - 1)(f + b) with free comm.
     for s, b in SIZES:
@@ -135,6 +137,54 @@ def test_unit_cost_makespan_is_analytic(name):
             assert timeline.makespan_s == pytest.approx((b + s - 1) * (f + bw))
             assert timeline.makespan_s == pytest.approx(schedule_named(name).step_time([f + bw] * s, b))
             assert timeline.idle_fraction == pytest.approx(schedule_named(name).bubble_fraction(s, b))
+
+
+def test_zero_bubble_h1_splits_every_backward_and_keeps_one_f_one_b_memory():
+    for s, b in SIZES:
+        programs = zero_bubble.programs(s, b)
+        for zb, ofob in zip(programs, one_f_one_b(s, b)):
+            kinds = [i.kind for i in zb]
+            assert kinds.count(WEIGHT) == kinds.count(BACKWARD) == b
+            assert max_in_flight(zb) <= min(s, b)  # until the weight part
+            waiting = peak = 0
+            for i in zb:  # until the backward: 1F1B's count
+                waiting += (i.kind == FORWARD) - (i.kind == BACKWARD)
+                peak = max(peak, waiting)
+            assert peak == max_in_flight(ofob)
+        assert zero_bubble.in_flight(s - 1, b) == schedule_named("1f1b").in_flight(s - 1, b)
+        assert zero_bubble.splits_backward(s, b) and not schedule_named("1f1b").splits_backward(s, b)
+
+
+def test_zero_bubble_h1_step_is_a_third_of_one_f_one_b_bubble():
+    """Equal forward, backward and weight times: ZB-H1's step is B t + (S - 1) t / 3 (1F1B's (B + S - 1) t)
+    once B >= S, its formula (``step_time``) and simulation agree, and it is never slower than 1F1B."""
+    for s, b in SIZES:
+        zb = simulate(zero_bubble.programs(s, b), fwd_s=1.0, bwd_s=1.0, weight_s=1.0)
+        ofob = simulate(one_f_one_b(s, b), fwd_s=1.0, bwd_s=2.0)
+        assert zb.makespan_s <= ofob.makespan_s
+        if b >= s:
+            assert zb.makespan_s == pytest.approx(3 * b + s - 1)
+            assert zb.makespan_s == pytest.approx(zero_bubble.step_time([3.0] * s, b))
+            assert zb.idle_fraction == pytest.approx(zero_bubble.bubble_fraction(s, b))
+    # the issue's bar: at 4 microbatches, at most half of 1F1B's bubble
+    assert zero_bubble.bubble_fraction(2, 4) <= schedule_named("1f1b").bubble_fraction(2, 4) / 2
+
+
+def test_costs_split_a_stage_time_as_the_schedule_runs_it():
+    times = [3.0, 6.0]
+    assert schedule_named("1f1b").costs(times, 2, 4) == {"fwd_s": [1.0, 2.0], "bwd_s": [2.0, 4.0],
+                                                         "weight_s": [0.0, 0.0]}
+    assert zero_bubble.costs(times, 2, 4) == {"fwd_s": [1.0, 2.0], "bwd_s": [1.0, 2.0], "weight_s": [1.0, 2.0]}
+
+
+def test_check_schedule_rejects_a_weight_part_before_its_backward():
+    program = zero_bubble.programs(1, 2)[0]
+    swapped = [Instruction(WEIGHT, 0, 0) if i.kind == BACKWARD and i.microbatch == 0 else
+               Instruction(BACKWARD, 0, 0) if i.kind == WEIGHT and i.microbatch == 0 else i for i in program]
+    with pytest.raises(ValueError, match="WEIGHT after its BACKWARD"):
+        check_schedule([swapped])
+    with pytest.raises(ValueError, match="WEIGHT"):
+        check_schedule([[i for i in program if not (i.kind == WEIGHT and i.microbatch == 1)]])
 
 
 def test_comm_latency_adds_per_hop():

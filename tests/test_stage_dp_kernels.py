@@ -114,6 +114,26 @@ def test_stage_dp_continuous_costs_match_brute_force():
     assert checked >= 20
 
 
+def test_stage_dp_minimises_a_schedules_step_time_with_its_own_weights():
+    """ZB-H1 weighs the stages' sum by 1/3 (``core/schedule.py``): the DP's optimum is brute force's,
+    and the schedule's step time of its stages is 1/3 of the DP's total (one optimum for both)."""
+    from alpa_torch.core.schedule import schedule_named
+
+    zb, rng, checked = schedule_named("zb-h1"), np.random.default_rng(1), 0
+    for _ in range(40):
+        num_layers = int(rng.integers(1, 6))
+        cost, mns, sizes = _random_instance(rng, num_layers, int(rng.integers(1, 3)), 2)
+        args = (cost, mns, sizes, int(rng.integers(1, 5)), int(rng.integers(1, 64)))
+        expected = _outcome(brute_force_stage_dp, *args, schedule=zb)
+        assert _outcome(solve_stage_dp, *args, schedule=zb, use_numba=False) == expected
+        if expected != "infeasible":
+            res = solve_stage_dp(*args, schedule=zb)
+            times = [cost[i, j, s, c] for i, j, s, c in res.stages]
+            assert zb.step_time(times, args[4]) == pytest.approx(res.total_s * zb.sum_weight(args[4]))
+            checked += 1
+    assert checked >= 10
+
+
 def test_stage_dp_integer_costs_many_stages_ties_match_brute_force():
     """Small-integer costs on many 1-2 device stages: ties everywhere, tie-breaks must agree."""
     rng = np.random.default_rng(1)

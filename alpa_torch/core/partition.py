@@ -18,6 +18,7 @@ nodes) belong to no stage and never cross: each stage reading one makes its own.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from alpa_torch.core.errors import PlanError
@@ -99,6 +100,32 @@ def partition(graph: OpGraph, stage_of: dict[str, int], num_stages: int) -> tupl
         for k in range(num_stages)
     ]
     return programs, sorted(crossings.values(), key=lambda c: (order.index(c.value), c.dst))
+
+
+def phase_lists(graph: OpGraph, program: StageProgram, crossings: Sequence[Crossing], split: bool
+                ) -> dict[str, tuple[str, ...]]:
+    """The operators of each phase the runtime runs on stage ``program.stage``: 'forward', 'backward'
+    and 'update'; where the schedule splits the backward (``split``), 'backward' is its first part
+    and 'weight' its second (``split_backward``)."""
+    out = {"forward": program.forward, "backward": program.backward, "update": program.update}
+    if split:
+        sent = [c.value for c in crossings if c.src == program.stage and c.produced == "backward"]
+        out["backward"], out["weight"] = split_backward(graph, program.backward, sent)
+    return out
+
+
+def split_backward(graph: OpGraph, backward: Sequence[str], sent: Iterable[str]) -> tuple[tuple[str, ...],
+                                                                                      tuple[str, ...]]:
+    """A stage's backward as the two parts a zero-bubble schedule runs apart (``core/schedule.py``,
+    ``BACKWARD`` then ``WEIGHT``): the operators ``sent`` (the values the backward sends to earlier
+    stages: its inputs' gradients) need, then every other one (the weight gradients), each in
+    ``backward``'s order. The second part reads what it needs of the first's values."""
+    inside, need, first = set(backward), set(sent), set()
+    for name in reversed(backward):
+        if name in need:
+            first.add(name)
+            need.update(u for u in graph.nodes[name].inputs if u in inside)
+    return tuple(n for n in backward if n in first), tuple(n for n in backward if n not in first)
 
 
 def _check_params_local(graph, stage_of: dict[str, int], sources: list[set[str]]) -> None:

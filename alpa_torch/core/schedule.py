@@ -14,8 +14,17 @@ the class:
 - ``in_flight(stages_after, B)``: the microbatches whose activations a stage holds at once
   (the stage DP's memory rule), counted from the first stage's order in a pipeline of
   ``stages_after + 1`` stages.
-- ``max_weight(B)``: the step time is ``T = sum_k t_k + max_weight(B) * max_k t_k`` over the
-  stages' per-microbatch times ``t_k`` (``step_time``); the stage DP minimises that form.
+- ``sum_weight(B)``, ``max_weight(B)``: the step time is ``T = sum_weight(B) * sum_k t_k +
+  max_weight(B) * max_k t_k`` over the stages' per-microbatch times ``t_k`` (``step_time``); the
+  stage DP minimises that form.
+- ``costs(stage_times)``: how a stage's per-microbatch time splits into its instructions'
+  (``simulate``'s ``fwd_s``, ``bwd_s``, ``weight_s``): the forward a third, the backward the rest.
+
+A schedule may split a stage's backward into two instructions (zero-bubble schedules):
+``BACKWARD`` then computes only what the stage sends to the stage before it (the gradients
+of its inputs, and everything they need), and ``WEIGHT`` the rest (the weight gradients),
+later. ``alpa_torch.core.partition.split_backward`` cuts the stage's backward program so.
+A microbatch's activations are held from its forward to its ``WEIGHT``.
 
 The schedules:
 
@@ -31,6 +40,16 @@ The schedules:
 
 Both take Alpa's eq. 2, ``max_weight = B - 1``: with equal stage times ``t`` a step is
 ``(B + S - 1) t``, a bubble fraction of ``(S - 1) / (B + S - 1)`` (GPipe paper, §2.2).
+
+- ``ZeroBubbleH1`` (``"zb-h1"``): ZB-H1 of Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR
+  2024): 1F1B's microbatches in flight per stage, its backward split (``BACKWARD``, ``WEIGHT``),
+  every ``WEIGHT`` run where a stage would otherwise wait (``_greedy_zero_bubble``). The gradients
+  cross a stage in a third of a microbatch's time instead of two thirds, and the ``WEIGHT``s fill
+  the drain, so with equal stage times ``t`` and ``B >= S`` a step is ``B t + (S - 1) t / 3``:
+  ``sum_weight = 1/3``, ``max_weight = B - 1/3``. Every stage holds up to ``min(S, B)``
+  microbatches until their ``WEIGHT``, but only 1F1B's count until their ``BACKWARD``: the stage
+  DP's rule counts those (``in_flight``); the rest hold only what the ``WEIGHT`` reads, which the
+  memory simulation counts.
 
 ``simulate`` runs programs as a discrete-event simulation with buffered (non-blocking)
 sends and blocking receives: it proves a schedule is deadlock-free and gives each
@@ -55,6 +74,7 @@ class Kind(str, enum.Enum):
 
     FORWARD = "F"
     BACKWARD = "B"
+    WEIGHT = "W"
     SEND_ACT = "sendA"
     RECV_ACT = "recvA"
     SEND_GRAD = "sendG"
@@ -62,7 +82,11 @@ class Kind(str, enum.Enum):
     UPDATE = "U"
 
 
-FORWARD, BACKWARD, UPDATE = Kind.FORWARD, Kind.BACKWARD, Kind.UPDATE
+FORWARD, BACKWARD, WEIGHT, UPDATE = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT, Kind.UPDATE
+_COMPUTE = (FORWARD, BACKWARD, WEIGHT)
+FORWARD_SHARE = 1.0 / 3.0
+"""Share of a stage's per-microbatch time taken by its forward (``PipelineSchedule.costs``); a split
+backward's two parts take the same share each."""
 SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = Kind.SEND_ACT, Kind.RECV_ACT, Kind.SEND_GRAD, Kind.RECV_GRAD
 _SENDS = (SEND_ACT, SEND_GRAD)
 _RECVS = (RECV_ACT, RECV_GRAD)
@@ -107,7 +131,7 @@ class Instruction:
 
     @property
     def is_compute(self) -> bool:
-        return self.kind in (FORWARD, BACKWARD)
+        return self.kind in _COMPUTE
 
     def message(self) -> tuple[str, int, int, int]:
         """Key of the message a send posts or a receive waits for: (what, src, dst, mb)."""
@@ -121,7 +145,7 @@ Programs = list[list[Instruction]]
 
 
 def _expand(stage: int, num_stages: int, order: Sequence[tuple[Kind, int]]) -> list[Instruction]:
-    """Turn a stage's compute order [(F|B, mb)] into a program with its communication."""
+    """Turn a stage's compute order [(F|B|W, mb)] into a program with its communication."""
     first, last = stage == 0, stage == num_stages - 1
     program: list[Instruction] = []
     for kind, mb in order:
@@ -131,6 +155,8 @@ def _expand(stage: int, num_stages: int, order: Sequence[tuple[Kind, int]]) -> l
             program.append(Instruction(FORWARD, stage, mb))
             if not last:
                 program.append(Instruction(SEND_ACT, stage, mb, stage + 1))
+        elif kind == WEIGHT:
+            program.append(Instruction(WEIGHT, stage, mb))
         else:
             if not last:
                 program.append(Instruction(RECV_GRAD, stage, mb, stage + 1))
@@ -147,15 +173,16 @@ def _check_sizes(num_stages: int, num_microbatches: int) -> None:
 
 
 def max_in_flight(order: Sequence[Instruction | tuple[Kind, int]]) -> int:
-    """Peak number of microbatches whose forward ran and whose backward has not, in a program or
-    a compute order."""
+    """Peak number of microbatches whose forward ran and whose backward has not (its ``WEIGHT``,
+    where the backward is split), in a program or a compute order."""
+    steps = [(i.kind, i.microbatch) if isinstance(i, Instruction) else (Kind(i[0]), i[1]) for i in order]
+    split = {mb for kind, mb in steps if kind == WEIGHT}
     live = peak = 0
-    for item in order:
-        kind = item.kind if isinstance(item, Instruction) else item[0]
+    for kind, mb in steps:
         if kind == FORWARD:
             live += 1
             peak = max(peak, live)
-        elif kind == BACKWARD:
+        elif kind == (WEIGHT if mb in split else BACKWARD):
             live -= 1
     return peak
 
@@ -179,8 +206,8 @@ class PipelineSchedule(abc.ABC):
 
     @abc.abstractmethod
     def order(self, stage: int, num_stages: int, num_microbatches: int) -> list[tuple[Kind, int]]:
-        """Stage ``stage``'s forwards and backwards, ``[(FORWARD | BACKWARD, microbatch)]``, in the order
-        it runs them."""
+        """Stage ``stage``'s forwards and backwards, ``[(FORWARD | BACKWARD | WEIGHT, microbatch)]``, in
+        the order it runs them (``WEIGHT`` only where the schedule splits the backward)."""
 
     def programs(self, num_stages: int, num_microbatches: int) -> Programs:
         """Every stage's program: its order with the communication, ending with ``UPDATE``."""
@@ -188,8 +215,8 @@ class PipelineSchedule(abc.ABC):
         return [_expand(k, num_stages, self.order(k, num_stages, num_microbatches)) for k in range(num_stages)]
 
     def compute_order(self, num_stages: int, num_microbatches: int) -> list[list[tuple[str, int]]]:
-        """Per stage, ``[('F' | 'B', microbatch), ...]``: what a pipeline stage executes, and what the
-        memory simulation replays."""
+        """Per stage, ``[('F' | 'B' | 'W', microbatch), ...]``: what a pipeline stage executes, and what
+        the memory simulation replays."""
         _check_sizes(num_stages, num_microbatches)
         return [[(kind.value, mb) for kind, mb in self.order(k, num_stages, num_microbatches)]
                 for k in range(num_stages)]
@@ -199,13 +226,33 @@ class PipelineSchedule(abc.ABC):
         """Microbatches a stage followed by ``stages_after`` stages holds at once (module docstring)."""
         return max_in_flight(self.order(0, stages_after + 1, num_microbatches))
 
+    def sum_weight(self, num_microbatches: int) -> float:
+        """The weight of the stages' summed times in the step time (module docstring): 1."""
+        return 1.0
+
     def max_weight(self, num_microbatches: int) -> float:
         """The weight of the slowest stage in the step time (module docstring): Alpa's eq. 2, B - 1."""
         return float(num_microbatches - 1)
 
     def step_time(self, stage_times: Sequence[float], num_microbatches: int) -> float:
-        """The step of stages taking ``stage_times`` per microbatch: ``sum + max_weight(B) * max``."""
-        return math.fsum(stage_times) + self.max_weight(num_microbatches) * max(stage_times)
+        """The step of stages taking ``stage_times`` per microbatch: ``sum_weight(B) * sum +
+        max_weight(B) * max``."""
+        b = num_microbatches
+        return self.sum_weight(b) * math.fsum(stage_times) + self.max_weight(b) * max(stage_times)
+
+    def splits_backward(self, num_stages: int, num_microbatches: int) -> bool:
+        """Whether the orders hold ``WEIGHT`` instructions (module docstring)."""
+        return any(kind == WEIGHT for k in range(num_stages) for kind, _ in self.order(k, num_stages, num_microbatches))
+
+    def costs(self, stage_times: Sequence[float], num_stages: int, num_microbatches: int) -> dict[str, list[float]]:
+        """``simulate``'s ``fwd_s``, ``bwd_s`` and ``weight_s`` for stages taking ``stage_times`` per
+        microbatch (forward and backward): ``FORWARD_SHARE`` of it is the forward's, the rest the
+        backward's, in two equal parts where the schedule splits it."""
+        fwd = [FORWARD_SHARE * t for t in stage_times]
+        rest = [t - f for t, f in zip(stage_times, fwd)]
+        if not self.splits_backward(num_stages, num_microbatches):
+            return {"fwd_s": fwd, "bwd_s": rest, "weight_s": [0.0] * len(rest)}
+        return {"fwd_s": fwd, "bwd_s": [r / 2 for r in rest], "weight_s": [r / 2 for r in rest]}
 
     def bubble_fraction(self, num_stages: int, num_microbatches: int) -> float:
         """Idle share of a step with equal stage times: ``1 - B t / step_time``."""
@@ -237,6 +284,63 @@ class OneFOneB(PipelineSchedule):
         return order + [(BACKWARD, mb) for mb in range(steady, num_microbatches)]
 
 
+class ZeroBubbleH1(PipelineSchedule):
+    """ZB-H1 (Qi et al. 2024): 1F1B's memory, the backward split, weight gradients where stages would
+    wait (module docstring)."""
+
+    name = "zb-h1"
+
+    def order(self, stage: int, num_stages: int, num_microbatches: int) -> list[tuple[Kind, int]]:
+        return list(_greedy_zero_bubble(num_stages, num_microbatches)[stage])
+
+    def in_flight(self, stages_after: int, num_microbatches: int) -> int:
+        """1F1B's: the microbatches waiting for their ``BACKWARD`` (module docstring)."""
+        return _REGISTRY[OneFOneB.name].in_flight(stages_after, num_microbatches)
+
+    def sum_weight(self, num_microbatches: int) -> float:
+        return 1.0 / 3.0
+
+    def max_weight(self, num_microbatches: int) -> float:
+        return num_microbatches - 1.0 / 3.0
+
+
+@functools.cache
+def _greedy_zero_bubble(num_stages: int, num_microbatches: int) -> tuple[tuple[tuple[Kind, int], ...], ...]:
+    """Every stage's ZB-H1 order (``ZeroBubbleH1``): the stages run on unit forward, backward and weight
+    times, stage k taking at every tick the first of: a forward whose activation has arrived, while
+    fewer than ``min(S - k, B)`` microbatches wait for their backward (1F1B's) and fewer than
+    ``min(S, B)`` for their weight; a backward whose gradient has arrived; its oldest pending weight.
+    With ``B >= S`` the step is ``3B + S - 1`` ticks, ZB-H1's (1F1B's: ``3B + 3(S - 1)``)."""
+    _check_sizes(num_stages, num_microbatches)
+    s, b = num_stages, num_microbatches
+    done = {kind: [0] * s for kind in _COMPUTE}  # per stage: microbatches done of each kind, in order
+    ready: dict[tuple[Kind, int, int], int] = {(FORWARD, 0, mb): 0 for mb in range(b)}  # tick an input arrives
+    orders: list[list[tuple[Kind, int]]] = [[] for _ in range(s)]
+    tick = 0
+    while any(done[WEIGHT][k] < b for k in range(s)):
+        finished = []
+        for k in range(s):
+            f, bw, w = done[FORWARD][k], done[BACKWARD][k], done[WEIGHT][k]
+            if f < b and f - bw < min(s - k, b) and f - w < min(s, b) and ready.get((FORWARD, k, f), tick + 1) <= tick:
+                kind, mb = FORWARD, f
+            elif bw < f and ready.get((BACKWARD, k, bw), tick + 1) <= tick:
+                kind, mb = BACKWARD, bw
+            elif w < bw:
+                kind, mb = WEIGHT, w
+            else:
+                continue
+            done[kind][k] += 1
+            orders[k].append((kind, mb))
+            finished.append((kind, k, mb))
+        tick += 1
+        for kind, k, mb in finished:  # what a tick computed arrives at the next
+            if kind == FORWARD:
+                ready[(FORWARD, k + 1, mb) if k + 1 < s else (BACKWARD, k, mb)] = tick
+            elif kind == BACKWARD and k > 0:
+                ready[(BACKWARD, k - 1, mb)] = tick
+    return tuple(tuple(o) for o in orders)
+
+
 DEFAULT_SCHEDULE = OneFOneB.name
 
 
@@ -258,7 +362,8 @@ def check_schedule(schedules: Programs) -> None:
 
     Per stage and microbatch: one forward and one backward, forward first;
     the activation received before the forward, sent after it; the gradient
-    received before the backward, sent after it; one UPDATE, last.
+    received before the backward, sent after it; where a stage splits its backward,
+    every microbatch's WEIGHT after its backward; one UPDATE, last.
     """
     num_stages = len(schedules)
     for k, program in enumerate(schedules):
@@ -278,6 +383,9 @@ def check_schedule(schedules: Programs) -> None:
             where = [pos.get(step, -1) for step in chain]
             if min(where) < 0 or where != sorted(where):
                 raise ValueError(f"stage {k}, microbatch {mb}: need order {chain}, got positions {where}")
+        weights = {i.microbatch for i in program if i.kind == WEIGHT}
+        if weights and (weights != mbs or any(pos[(WEIGHT, mb)] < pos[(BACKWARD, mb)] for mb in mbs)):
+            raise ValueError(f"stage {k}: a split backward needs every microbatch's WEIGHT after its BACKWARD")
 
 
 class DeadlockError(RuntimeError):
@@ -307,8 +415,8 @@ class Timeline:
         return f"Timeline(stages={len(self.events)}, makespan_s={self.makespan_s:g})"
 
     def busy_s(self, stage: int) -> float:
-        """Time stage ``stage`` spent computing (forward, backward, update)."""
-        compute = (FORWARD, BACKWARD, UPDATE)
+        """Time stage ``stage`` spent computing (forward, backward, weight, update)."""
+        compute = (*_COMPUTE, UPDATE)
         return sum(e.end_s - e.start_s for e in self.events[stage] if e.instruction.kind in compute)
 
     @property
@@ -335,7 +443,8 @@ def simulate(
     fwd_s: float | Sequence[float] = 1.0,
     bwd_s: float | Sequence[float] = 1.0,
     comm_s: float = 0.0,
-    update_s: float = 0.0,
+    update_s: float | Sequence[float] = 0.0,
+    weight_s: float | Sequence[float] = 0.0,
 ) -> Timeline:
     """Discrete-event run of ``schedules``: sends are buffered, receives block.
 
@@ -346,7 +455,7 @@ def simulate(
     """
     num_stages = len(schedules)
     cost = {FORWARD: _per_stage(fwd_s, num_stages, "fwd_s"), BACKWARD: _per_stage(bwd_s, num_stages, "bwd_s"),
-            UPDATE: _per_stage(update_s, num_stages, "update_s")}
+            WEIGHT: _per_stage(weight_s, num_stages, "weight_s"), UPDATE: _per_stage(update_s, num_stages, "update_s")}
     pc, clock = [0] * num_stages, [0.0] * num_stages
     events: list[list[Event]] = [[] for _ in range(num_stages)]
     arrivals: dict[tuple[str, int, int, int], float] = {}
