@@ -314,8 +314,8 @@ class ParallelStep(StepObjects, ResilientStep):
             self.engine.record(self.trace)
             return observations
 
-        kept = tuner.select(cands, lambda plan, fresh, compiled: self._use(plan, model, optimizer, batch, sources,
-                                                                            fresh, compiled),
+        kept = tuner.select(cands, lambda plan, fresh, compiled, again: self._use(plan, model, optimizer, batch,
+                                                                                   sources, fresh, compiled, again),
                             lambda: self.engine.step(leaves, scalars), observe,
                             lambda: self.engine.memory(), try_compiled=self.compile is None)
         tuner.store_choice(self.plan_cache, self.graph, self.cluster, self.options, cands, kept)
@@ -330,10 +330,14 @@ class ParallelStep(StepObjects, ResilientStep):
             self.progress(text)
 
     def _use(self, plan: ParallelPlan, model, optimizer, batch, sources: list, fresh: bool = False,
-             compiled: bool = False) -> None:
+             compiled: bool = False, again: bool = False) -> None:
         """Deploy ``plan`` on the running workers (on new ones if ``fresh``: none of the memory the
         earlier plans left; their programs compiled if ``compiled``) and load the state ``sources``
-        give into it."""
+        give into it; ``again``: ``plan`` is deployed already, so only the state is loaded again and
+        the step count restarted (``Engine.restart``)."""
+        if again:
+            self.engine.restart(sources)
+            return
         self.plan, self.compiled = plan, compiled
         self.run_graph = self._runtime_graph(model, optimizer, batch)
         if fresh:

@@ -281,9 +281,10 @@ def select(cands: list[Candidate], use: Callable[[ParallelPlan, bool, bool], Non
            memory: Callable[[], list[tuple[float, float]]], try_compiled: bool = False) -> Candidate:
     """The candidate to keep, measured where the predictions are close (module docstring).
 
-    ``cands[0]`` is deployed with the initial state, uncompiled; ``use(plan, fresh, compiled)``
-    deploys a plan on the workers (on new ones if ``fresh``; their programs compiled if
-    ``compiled``) and loads the initial state into it; ``step()`` runs one trial step;
+    ``cands[0]`` is deployed with the initial state, uncompiled; ``use(plan, fresh, compiled,
+    again)`` deploys a plan on the workers (on new ones if ``fresh``; their programs compiled if
+    ``compiled``) and loads the initial state into it; ``again``: it is the plan deployed now, so
+    only its state is loaded again and its step count restarted; ``step()`` runs one trial step;
     ``observe(plan)`` runs one more, recorded, and returns ``calibration.observe``'s records of
     it; ``memory()`` gives, per device of the deployed plan, the most memory it held since the
     plan was deployed and how much of it earlier trials had left, in bytes (``Engine.memory``).
@@ -294,7 +295,7 @@ def select(cands: list[Candidate], use: Callable[[ParallelPlan, bool, bool], Non
         kept = trials[0]
         kept.note = f"the only candidate predicted within {margin(cands):g}x of the fastest"
         if kept is not cands[0]:
-            use(kept.plan, False, False)
+            use(kept.plan, False, False, False)
         return kept
     deployed = cands[0]
     for c in trials:
@@ -303,11 +304,12 @@ def select(cands: list[Candidate], use: Callable[[ParallelPlan, bool, bool], Non
     kept = keep(cands)
     if try_compiled:
         cands.append(Candidate(f"{kept.label}, compiled", kept.plan, compiled=True))
-        _trial(cands[-1], deployed, use, step, observe, memory)
+        deployed = _trial(cands[-1], deployed, use, step, observe, memory)
         kept = keep(cands)
     # The trial steps changed the state: load it again; in fresh workers where the kept plan's
     # devices held more than it may use (what the earlier trials left counted in its measurement).
-    use(kept.plan, not kept.fits(), kept.compiled)
+    fresh = not kept.fits()
+    use(kept.plan, fresh, kept.compiled, kept is deployed and not fresh)
     return kept
 
 
@@ -315,7 +317,7 @@ def _trial(c: Candidate, deployed: Candidate, use: Callable, step: Callable, obs
            memory: Callable) -> Candidate:
     """Measure ``c`` (``select``), deploying it unless it is ``deployed``; the candidate deployed after."""
     if c is not deployed:
-        use(c.plan, False, c.compiled)
+        use(c.plan, False, c.compiled, False)
     for _ in range(SKIP):
         step()
     timed: list[float] = []

@@ -152,6 +152,11 @@ def _load(state: dict, sources: list, metas: dict) -> bool:
     return True
 
 
+def _restart(state: dict) -> bool:
+    state["runner"].rng.restart()
+    return True
+
+
 def _step(state: dict, microbatches: list, scalars: dict, answer=None):
     """One step; ``answer(loss)`` as soon as this rank has its part of the loss (``run_early``)."""
     _new_state(state)
@@ -274,6 +279,12 @@ class Engine:
             own = [src.only(names) if isinstance(src, Values) else src for src in sources]
             per_rank.append((own, {n: metas[n] for n in names}))
         self.group.call_all(_load, per_rank_args=per_rank)
+
+    def restart(self, sources: list) -> None:
+        """Load the state ``sources`` have and count steps from the start, as a new deployment of the
+        same plan would, keeping the programs the workers have learned and compiled."""
+        self.load(sources)
+        self.group.call_all(_restart)
 
     def memory(self) -> list[tuple[float, float]]:
         """Per rank, in bytes: the most memory its device held since this plan was deployed

@@ -58,6 +58,10 @@ class RandomStream:
         self.step += 1
         self.microbatch = 0
 
+    def restart(self) -> None:
+        """Count steps from a new deployment's start again: the next step seeds as the first."""
+        self.step = self.microbatch = 0
+
     def seed_op(self, name: str, coords: tuple[int, ...]) -> None:
         """Seed the default generators (every device type) for operator ``name`` about to run."""
         torch.manual_seed(op_seed(self.seed, self.step, self.microbatch, name, coords))

@@ -44,9 +44,12 @@ def step_fn(model, optimizer, batch):
     return loss
 
 
-def _masks(batch_spec: str, seed: int, steps: int = 2) -> tuple[list[float], list[torch.Tensor]]:
+def _masks(batch_spec: str, seed: int, steps: int = 2, restart: bool = False
+           ) -> tuple[list[float], list[torch.Tensor]]:
     """Train ``Dropper`` on 1x2 devices with the batch placed as ``batch_spec``; the losses and every
-    device's local mask buffer after the last step."""
+    device's local mask buffer after the last step. ``restart``: then load the initial state again
+    with ``Engine.restart`` (what measured plan selection does to the plan it keeps) and train
+    ``steps`` more, their losses appended."""
     from runtime.engine import Engine
     from runtime.group import WorkerGroup
     from runtime.wire import from_wire, to_wire_dict
@@ -67,6 +70,11 @@ def _masks(batch_spec: str, seed: int, steps: int = 2) -> tuple[list[float], lis
         engine = Engine(group, graph, sharding, seed=seed)
         engine.load_state(to_wire_dict(values))
         losses = [engine.step({"batch.0": batch.numpy()}, functional.host_scalars()) for i in range(steps)]
+        if restart:
+            from runtime.state_sources import Values
+
+            engine.restart([Values(to_wire_dict(values))])
+            losses += [engine.step({"batch.0": batch.numpy()}, functional.host_scalars()) for i in range(steps)]
         local = group.call_all(lambda state: _local(state["runner"].state["mask"]))
     return losses, [from_wire(m) for m in local]
 
@@ -90,6 +98,13 @@ def test_sharded_dropout_draws_a_different_mask_on_each_device():
 def test_replicated_dropout_draws_the_same_mask_on_every_device():
     _, (m0, m1) = _masks("RR", seed=7)
     assert m0.shape == (8, 16) and torch.equal(m0, m1), "replicas of one value drew different masks"
+
+
+def test_a_restarted_deployment_draws_the_masks_of_a_new_one():
+    """``Engine.restart`` (the kept plan of measured selection, its trial steps behind it) counts steps
+    from the start: the same state trained again draws the same masks, step for step."""
+    losses, _ = _masks("RS(0)", seed=3, restart=True)
+    assert losses[:2] == losses[2:] and losses[0] != losses[1]
 
 
 def test_op_seed_separates_what_must_differ():

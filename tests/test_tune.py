@@ -80,8 +80,9 @@ def test_select_measures_each_close_candidate_and_leaves_the_kept_one_deployed(m
     clock = iter(range(1000))
     monkeypatch.setattr(tuner.time, "perf_counter", lambda: next(clock) * speed[id(deployed[-1])])
     held = {id(plans[0]): 1.0e6, id(plans[1]): 2.0e6}
-    fresh = []
-    kept = tuner.select(cands, lambda p, new, compiled: (deployed.append(p), fresh.append(new)), lambda: None,
+    fresh, again = [], []
+    kept = tuner.select(cands, lambda p, new, compiled, same: (deployed.append(p), fresh.append(new),
+                                                               again.append(same)), lambda: None,
                         lambda p: [{"plan": p}], lambda: [(held[id(deployed[-1])], 0.0)])
     assert kept is cands[1] and cands[2].measured_s is None
     assert cands[0].measured_s == 2.0 and cands[1].measured_s == 1.0
@@ -89,6 +90,7 @@ def test_select_measures_each_close_candidate_and_leaves_the_kept_one_deployed(m
     assert [c.observations for c in cands] == [[{"plan": plans[0]}], [{"plan": plans[1]}], []]
     assert deployed == [plans[0], plans[1], plans[1]]  # measured, then loaded again with the initial state
     assert fresh == [False, False]  # it fits: the workers stay
+    assert again == [False, True]  # the kept plan is the one deployed: only its state is loaded again
 
 
 def test_the_kept_plan_is_measured_compiled_too_and_the_faster_kept(monkeypatch):
@@ -104,17 +106,20 @@ def test_the_kept_plan_is_measured_compiled_too_and_the_faster_kept(monkeypatch)
         clock = iter(range(1000))
         monkeypatch.setattr(tuner.time, "perf_counter",
                             lambda: next(clock) * (compiled_speed if deployed[-1][1] else 2.0))
-        kept = tuner.select(cands, lambda p, fresh, compiled: deployed.append((p, compiled)), lambda: None,
+        again = []
+        kept = tuner.select(cands, lambda p, fresh, compiled, same: (deployed.append((p, compiled)),
+                                                                     again.append(same)), lambda: None,
                             lambda p: [{"plan": p}], lambda: [(1.0e6, 0.0)], try_compiled=True)
-        return cands, kept, deployed
+        return cands, kept, deployed, again
 
     for compiled_speed, want_compiled in ((1.0, True), (3.0, False)):
-        cands, kept, deployed = select(compiled_speed)
+        cands, kept, deployed, again = select(compiled_speed)
         twin = cands[-1]
         assert [c.label for c in cands] == ["search", "data parallel", "search, compiled"]
         assert twin.compiled and twin.plan is plan and twin.observations == [] and cands[1].measured_s is None
         assert (kept is twin) == want_compiled and kept.compiled == want_compiled
         assert deployed == [(plan, False), (plan, True), (plan, want_compiled)]
+        assert again == [False, want_compiled]  # the compiled twin, kept, is the one deployed
         tuning = [c.to_dict(c is kept) for c in cands]
         assert tuner.kept_compiled(tuning) == want_compiled and "search, compiled" in tuner.report(tuning)
 
@@ -136,7 +141,7 @@ def test_a_trial_is_timed_on_the_steps_after_the_replays_code_generation(monkeyp
 
     deploy(plans[0])
     monkeypatch.setattr(tuner.time, "perf_counter", lambda: now[0])
-    kept = tuner.select(cands, lambda p, fresh, compiled: deploy(p), step, lambda p: [], lambda: [(0.0, 0.0)])
+    kept = tuner.select(cands, lambda p, fresh, compiled, again: deploy(p), step, lambda p: [], lambda: [(0.0, 0.0)])
     assert [c.measured_s for c in cands] == pytest.approx([0.3, 0.2]) and kept is cands[1]
 
 
@@ -154,7 +159,7 @@ def test_a_short_step_is_timed_more_often_than_a_long_one(monkeypatch):
     for step_s, want in ((1.5, tuner.TIMED_STEPS[0]), (0.03, tuner.TIMED_STEPS[1]), (0.25, 4)):
         length[0], calls[:] = step_s, []
         cand = tuner.Candidate("search", plan)  # measured replayed, then compiled
-        tuner.select([cand], lambda p, fresh, compiled: None, step, lambda p: [], lambda: [(0.0, 0.0)],
+        tuner.select([cand], lambda p, fresh, compiled, again: None, step, lambda p: [], lambda: [(0.0, 0.0)],
                      try_compiled=True)
         assert len(calls) == 2 * (tuner.SKIP + want) and cand.measured_s == pytest.approx(step_s)
 
@@ -186,7 +191,7 @@ def test_a_kept_plan_that_did_not_fit_the_trial_workers_runs_on_new_ones():
     smaller = dataclasses.replace(plan, peak_memory_bytes=plan.peak_memory_bytes / 2)  # so it is measured
     cands = [tuner.Candidate("search", plan), tuner.Candidate("one stage", smaller)]
     uses = []
-    kept = tuner.select(cands, lambda p, fresh, compiled: uses.append(fresh), lambda: None, lambda p: [],
+    kept = tuner.select(cands, lambda p, fresh, compiled, again: uses.append(fresh), lambda: None, lambda p: [],
                         lambda: [(2 * plan.memory_budget_bytes, 0.0)])
     assert not kept.fits() and uses == [False, True]  # the second trial, then the kept plan on new workers
 
@@ -201,7 +206,7 @@ def test_a_trial_over_the_device_only_with_what_earlier_trials_left_is_kept_on_n
     held = iter([[(1.5 * budget, 0.0)], [(1.2 * budget, 0.6 * budget)]])  # the search's, then the second's
     clock = iter(range(1000))
     uses = []
-    kept = tuner.select(cands, lambda p, fresh, compiled: uses.append(fresh), lambda: next(clock) and None,
+    kept = tuner.select(cands, lambda p, fresh, compiled, again: uses.append(fresh), lambda: next(clock) and None,
                         lambda p: [], lambda: next(held))
     assert kept is cands[1] and uses == [False, True] and not kept.fits() and kept.may_fit()
     assert "on new workers" in kept.note and "left by earlier trials" in kept.note
@@ -216,7 +221,7 @@ def test_a_candidate_that_cannot_fit_where_the_first_one_did_not_is_not_measured
     bigger = dataclasses.replace(plan, peak_memory_bytes=plan.peak_memory_bytes * 2)
     cands = [tuner.Candidate("search", plan), tuner.Candidate("data parallel", bigger)]
     uses = []
-    kept = tuner.select(cands, lambda p, fresh, compiled: uses.append(fresh), lambda: None, lambda p: [],
+    kept = tuner.select(cands, lambda p, fresh, compiled, again: uses.append(fresh), lambda: None, lambda p: [],
                         lambda: [(2 * plan.memory_budget_bytes, 0.0)])
     assert kept is cands[0] and uses == [True] and cands[1].measured_s is None
     assert "cannot fit, not measured" in cands[1].note
@@ -224,7 +229,7 @@ def test_a_candidate_that_cannot_fit_where_the_first_one_did_not_is_not_measured
     elsewhere = dataclasses.replace(bigger, stages=tuple(
         dataclasses.replace(st, device_ids=tuple(moved[d] for d in st.device_ids)) for st in bigger.stages))
     cands = [tuner.Candidate("search", plan), tuner.Candidate("data parallel", elsewhere)]
-    tuner.select(cands, lambda p, fresh, compiled: None, lambda: None, lambda p: [],
+    tuner.select(cands, lambda p, fresh, compiled, again: None, lambda: None, lambda p: [],
                  lambda: [(2 * plan.memory_budget_bytes, 0.0)])
     assert cands[1].measured_s is not None
 
