@@ -13,9 +13,12 @@ every schedule and microbatch count B:
   num_microbatches=B, trace=True)``; the planner picks the cut and each stage's program.
   ``predicted_bubble``: the idle share of the plan's simulated step
   (``viz.predicted_timeline``: the schedule's programs at the cost model's stage times);
-  ``measured_bubble``: the idle share of the last step's measured trace
-  (``step.measured_trace``: per worker, the time outside its forwards, backwards and update,
-  over the two workers' span of that step). ``step_ms``: the median step.
+  ``measured_bubble``: the idle share of a measured step: per worker, the time outside its
+  forwards, backwards and update in the last step's trace (``step.measured_trace``), over the
+  median step ``step_ms``, the period at which steps follow each other. ``measured_bubble_span``
+  takes the span of that step's events instead: it counts as idle the time a worker still
+  spent on the step before (the runtime answers a step once the loss is known, so the next
+  one starts while the first stage drains), which makes it the larger.
 - **PyTorch**: ``torch.distributed.pipelining``'s schedule of the same name
   (``ScheduleGPipe``, ``Schedule1F1B``; for ZB-H1 ``ScheduleInterleavedZeroBubble``, the paper's
   ZB1P, with one stage a rank) over the same blocks split evenly
@@ -53,14 +56,16 @@ SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 COMPUTE = ("forward", "backward", "weight", "update")
 
 
-def measured_bubble(trace: dict) -> float:
-    """Idle share of a measured step: 1 - (compute time of every worker) / (workers x the step's span)."""
+def measured_bubble(trace: dict, step_s: float | None = None) -> float:
+    """Idle share of a measured step: 1 - (compute time of every worker) / (workers x the step's
+    period): ``step_s`` (the median step the caller timed), else the span of the trace's events."""
     spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     start = min(e["ts"] for e in spans)
     end = max(e["ts"] + e["dur"] for e in spans)
     rows = {(e["pid"], e["tid"]) for e in spans}
     busy = sum(e["dur"] for e in spans if e["cat"] in COMPUTE)
-    return 1.0 - busy / (len(rows) * (end - start))
+    period_us = end - start if step_s is None else 1e6 * step_s
+    return 1.0 - busy / (len(rows) * period_us)
 
 
 def run_alpa(schedule: str, cfg: BenchConfig) -> dict:
@@ -79,13 +84,15 @@ def run_alpa(schedule: str, cfg: BenchConfig) -> dict:
             float(step(model, opt, batch))
             times.append(time.perf_counter() - t0)
         step.sync(model, opt)  # the last step's backward and update are done, so its trace is whole
-        measured = measured_bubble(step.measured_trace())
+        median_s = statistics.median(times[cfg.warmup_steps:])
+        trace = step.measured_trace()
         plan = step.plan
         predicted = viz.predicted_timeline(plan).idle_fraction
     finally:
         step.shutdown()
-    return {"step_ms": round(1e3 * statistics.median(times[cfg.warmup_steps:]), 2),
-            "predicted_bubble": round(predicted, 4), "measured_bubble": round(measured, 4),
+    return {"step_ms": round(1e3 * median_s, 2), "predicted_bubble": round(predicted, 4),
+            "measured_bubble": round(measured_bubble(trace, median_s), 4),
+            "measured_bubble_span": round(measured_bubble(trace), 4),
             "predicted_step_ms": round(1e3 * plan.predicted_step_s, 2), "plan": plan.summary(),
             "layers_per_stage": [s.layer_end - s.layer_start + 1 for s in plan.stages]}
 

@@ -174,7 +174,8 @@ def test_costs_split_a_stage_time_as_the_schedule_runs_it():
     times = [3.0, 6.0]
     assert schedule_named("1f1b").costs(times, 2, 4) == {"fwd_s": [1.0, 2.0], "bwd_s": [2.0, 4.0],
                                                          "weight_s": [0.0, 0.0]}
-    assert zero_bubble.costs(times, 2, 4) == {"fwd_s": [1.0, 2.0], "bwd_s": [1.0, 2.0], "weight_s": [1.0, 2.0]}
+    # the first stage sends nothing back: all its backward is the weight part
+    assert zero_bubble.costs(times, 2, 4) == {"fwd_s": [1.0, 2.0], "bwd_s": [0.0, 2.0], "weight_s": [2.0, 2.0]}
 
 
 def test_check_schedule_rejects_a_weight_part_before_its_backward():

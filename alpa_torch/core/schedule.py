@@ -247,12 +247,14 @@ class PipelineSchedule(abc.ABC):
     def costs(self, stage_times: Sequence[float], num_stages: int, num_microbatches: int) -> dict[str, list[float]]:
         """``simulate``'s ``fwd_s``, ``bwd_s`` and ``weight_s`` for stages taking ``stage_times`` per
         microbatch (forward and backward): ``FORWARD_SHARE`` of it is the forward's, the rest the
-        backward's, in two equal parts where the schedule splits it."""
+        backward's, in two equal parts where the schedule splits it, except on the first stage: it
+        sends nothing back, so its ``BACKWARD`` is empty and its ``WEIGHT`` is all of it."""
         fwd = [FORWARD_SHARE * t for t in stage_times]
         rest = [t - f for t, f in zip(stage_times, fwd)]
         if not self.splits_backward(num_stages, num_microbatches):
             return {"fwd_s": fwd, "bwd_s": rest, "weight_s": [0.0] * len(rest)}
-        return {"fwd_s": fwd, "bwd_s": [r / 2 for r in rest], "weight_s": [r / 2 for r in rest]}
+        first = [0.0 if k == 0 else r / 2 for k, r in enumerate(rest)]
+        return {"fwd_s": fwd, "bwd_s": first, "weight_s": [r - b for r, b in zip(rest, first)]}
 
     def bubble_fraction(self, num_stages: int, num_microbatches: int) -> float:
         """Idle share of a step with equal stage times: ``1 - B t / step_time``."""
