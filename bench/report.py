@@ -146,6 +146,19 @@ def read_one_device(lines: Lines) -> Reading:
     return f"parallelize / eager, one device: {text}", _yes(bool(at) and all(s["met"] for s in at))
 
 
+def read_schedules(lines: Lines) -> Reading:
+    rows = {(r["schedule"], r["microbatches"]): r for r in lines if not r.get("summary")}
+    summary = _summary(lines)
+    zb, ofob = rows.get(("zb-h1", 4)), rows.get(("1f1b", 4))
+    halved = zb is not None and ofob is not None and zb["measured_bubble"] <= ofob["measured_bubble"] / 2
+    slowest = min(summary["alpa_over_torch"].items(), key=lambda kv: kv[1])
+    text = (f"largest bubble gap {summary['max_bubble_gap']} (≤ 0.15); PyTorch / alpa-torch step from "
+            f"{slowest[1]} ({slowest[0]}) to {max(summary['alpa_over_torch'].values())} (≥ 1.0)")
+    if zb is not None and ofob is not None:
+        text += f"; measured bubble at 4: zb-h1 {zb['measured_bubble']}, 1f1b {ofob['measured_bubble']}"
+    return text, _yes(bool(summary.get("met")) and halved)
+
+
 TARGETS = (
     Target(bench="vs_pytorch",
            target="best of DDP, FSDP2, FSDP2+TP, torch pipelines, compiled or eager / alpa-torch ≥ 1.0, each workload",
@@ -177,6 +190,9 @@ TARGETS = (
     Target(bench="peers", target="automatic plan against PyTorch's parallelisms, one run", pattern=""),
     Target(bench="one_device", target="T = 4096: parallelize's peak ≤ 1.15x and step ≤ 1.05x eager's",
            pattern="one_device_*.jsonl", read=read_one_device),
+    Target(bench="schedules", target="1x2: predicted bubble within 15 % of measured, each schedule ≥ PyTorch's, "
+                                     "zb-h1's bubble ≤ half of 1f1b's at 4 microbatches",
+           pattern="schedules_*.jsonl", read=read_schedules),
     Target(bench="plan_gpt", target="automatic plan never slower than the best manual plan", pattern=""),
     Target(bench="ilp", target="sharding ILP size and solve time, GPT-3 as one stage", pattern=""),
     Target(bench="stage_dp_kernels", target="stage DP time on synthetic cost tensors", pattern=""),
