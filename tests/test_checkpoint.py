@@ -195,6 +195,7 @@ def _sharding_cluster():
 
 
 @pytest.mark.usefixtures("ray_session")
+@pytest.mark.slow
 def test_resume_on_another_plan_and_cluster_size_equals_a_straight_run(tmp_path):
     """4 steps straight (sharded on 2 devices, saved after step 2) == 2 steps, save, load on 1
     device, 2 more == a plain model loaded from the checkpoint == eager."""

@@ -222,6 +222,7 @@ def test_plan_with_checkpointing_and_precision_options(run_main):
 
 
 # ------------------------------------------------------------------ train, profile, bench
+@pytest.mark.slow
 def test_train_local_cluster_checks_against_eager(tmp_path):
     out = cli("train", "mlp", "--local", "1x2", "--steps", "3", "--check", "--trace", "step.json", cwd=tmp_path,
               timeout=400)

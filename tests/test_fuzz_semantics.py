@@ -212,6 +212,7 @@ def plan_options(case) -> dict:
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, print_blob=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(cases())
+@pytest.mark.slow
 def test_parallel_step_equals_eager_or_refuses_by_name(case):
     gen = torch.Generator().manual_seed(1)
     labels = [torch.randint(0, CLASSES, (BATCH,), generator=gen) for _ in case["weights"]]

@@ -82,6 +82,7 @@ def test_meta_gpt_trains_like_init_weights_on_one_device():
 
 
 @pytest.mark.usefixtures("ray_session")
+@pytest.mark.slow
 def test_sharded_plan_initialises_and_reloads_only_its_slices(tmp_path):
     """A plan that splits weights and optimizer state over two devices: each worker initialises
     its slices; a checkpoint of that plan loads back tile by tile into a new step."""
@@ -212,6 +213,7 @@ def test_a_model_whose_state_outgrows_the_driver_trains_and_equals_eager():
     assert line["max_loss_diff"] <= 1e-4, (line["losses"], line["eager_losses"])
 
 
+@pytest.mark.slow
 def test_save_pretrained_writes_what_from_pretrained_and_weights_read(tmp_path):
     """Trained on two devices, exported by the workers in Hugging Face's layout: transformers'
     from_pretrained reads the trained weights, and weights= starts a new step from them."""

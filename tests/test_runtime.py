@@ -301,6 +301,7 @@ def test_pure_tensor_parallel_on_2x2(name):
     assert any("S" in str(sharding.value_specs[w]) for w in weights), "no weight was sharded"
 
 
+@pytest.mark.slow
 def test_2d_data_by_tensor_on_2x2():
     """Data parallel on mesh axis 0 (batch S(0) there), tensor parallel on axis 1."""
     graph = _graph("gpt")
@@ -355,6 +356,7 @@ def _dp_batch(seed):
     return tuple(torch.randint(0, 256, (32, 64), generator=gen) for _ in range(2))
 
 
+@pytest.mark.slow
 def test_2d_data_parallel_gradients_are_bucketed():
     """Pure data parallelism on the 2-D mesh (2, 2): every gradient the plan reduces (partial
     over both axes, some in two steps) goes through the buckets, one all-reduce of all 4 ranks

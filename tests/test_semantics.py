@@ -131,6 +131,7 @@ class Pair(NamedTuple):
     y: torch.Tensor
 
 
+@pytest.mark.slow
 def test_dataclass_and_named_tuple_batches():
     def step_dc(model, optimizer, batch):
         optimizer.zero_grad()

@@ -274,6 +274,7 @@ def test_a_searched_pipeline_is_also_tried_at_as_many_microbatches_as_stages():
 
 
 @pytest.mark.usefixtures("ray_session")
+@pytest.mark.slow
 def test_tuned_step_trains_as_eager_and_its_choice_is_cached(tmp_path):
     """The zoo GPT on 1x2 with tune=True: every candidate within the margin measured, the kept
     plan trains equal to eager from the initial state (the trial steps leave no trace); a second

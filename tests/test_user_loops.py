@@ -49,6 +49,7 @@ def _resumed_in_a_fresh_process(checkpoint: Path, cluster, iters: int) -> dict:
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS)
+@pytest.mark.slow
 def test_nanogpt_loop_with_evaluation_and_a_checkpoint_resumed_elsewhere(cluster, tmp_path):
     eager, eager_opt = nano.make_model_and_optimizer()
     model, optimizer = nano.make_model_and_optimizer()
