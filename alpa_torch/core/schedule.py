@@ -18,13 +18,14 @@ the class:
   max_weight(B) * max_k t_k`` over the stages' per-microbatch times ``t_k`` (``step_time``); the
   stage DP minimises that form.
 - ``costs(stage_times)``: how a stage's per-microbatch time splits into its instructions'
-  (``simulate``'s ``fwd_s``, ``bwd_s``, ``weight_s``): the forward a third, the backward the rest.
+  (``simulate``'s ``fwd_s``, ``bwd_s``, ``weight_s``): the forward a third, the backward the rest
+  (split in two halves, except on the first stage, which sends nothing back).
 
 A schedule may split a stage's backward into two instructions (zero-bubble schedules):
 ``BACKWARD`` then computes only what the stage sends to the stage before it (the gradients
 of its inputs, and everything they need), and ``WEIGHT`` the rest (the weight gradients),
 later. ``alpa_torch.core.partition.split_backward`` cuts the stage's backward program so.
-A microbatch's activations are held from its forward to its ``WEIGHT``.
+A microbatch's forward values stay until the last of the two parts that reads them has run.
 
 The schedules:
 
