@@ -165,8 +165,8 @@ class PipelineRunner:
         envs: dict[int, dict] = {}
         self._grads: dict[str, Any] = {}
         self._partials: dict[str, torch.Tensor] = {}
-        split = any(kind == "W" for kind, _ in self.order)
-        last_mb = [mb for kind, mb in self.order if kind == ("W" if split else "B")][-1]
+        done = "W" if any(kind == "W" for kind, _ in self.order) else "B"  # a microbatch's last phase
+        last_mb = [mb for kind, mb in self.order if kind == done][-1]
         last_forward = max(i for i, (kind, _) in enumerate(self.order) if kind == "F")
         r.rng.begin_step()
         rec = self.recorder
@@ -179,7 +179,7 @@ class PipelineRunner:
             if kind == "F":
                 env = envs[mb] = self._base_env(scalars, microbatches[mb])
             else:
-                env = envs.pop(mb) if kind == ("W" if split else "B") else envs[mb]
+                env = envs.pop(mb) if kind == done else envs[mb]
             if ("recv", phase) in self._crosses:
                 with rec.span("recv", "transfer", microbatch=mb, phase=phase):
                     self._receive(env, mb, phase)

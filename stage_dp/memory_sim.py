@@ -331,23 +331,26 @@ def simulate_stage(graph, sharding, *, forward=None, backward=None, update=None,
         key = ("F" if forward else (kind, parked[mb][0] if mb in parked else None), frozenset(acc))
         if key not in memo:
             had = set(acc)
-            present = dict(parked[mb][1]) if mb in parked and not forward else {}
             if forward:
                 present = {n: sizes.bytes(n) for n in batch}
                 present.update({v: sizes.bytes(v) for v in received.get("forward", ())})
                 peak, node, live = st.program(fwd, keep_f, present, 0.0, accumulate=acc, external=external)
-            elif kind == "B":
-                present.update({v: sizes.bytes(v) for v in received.get("backward", ())})
-                peak, node, live = st.program(bwd, keep_b, present, 0.0, accumulate=acc, external=external)
             else:
-                peak, node, live = st.program(wgt, outputs, present, 0.0, accumulate=acc, external=external)
+                present = dict(parked[mb][1]) if mb in parked else {}
+                if kind == "B":
+                    present.update({v: sizes.bytes(v) for v in received.get("backward", ())})
+                    peak, node, live = st.program(bwd, keep_b, present, 0.0, accumulate=acc, external=external)
+                else:
+                    peak, node, live = st.program(wgt, outputs, present, 0.0, accumulate=acc, external=external)
             memo[key] = (peak, node, live, {m: g for m, g in acc.items() if m not in had})
         else:
             acc.update(memo[key][3])
         peak, node, live, _ = memo[key]
         peak += state_bytes + others
-        if forward or (kind == "B" and split):  # parked until the backward (its weight part)
-            kept = {r: b for r, b in live.items() if r in (wgt_roots if split and not forward else parked_roots)}
+        # parked until the backward reads them, or a split backward's weight part
+        parks = parked_roots if forward else wgt_roots if split and kind == "B" else None
+        if parks is not None:
+            kept = {r: b for r, b in live.items() if r in parks}
             parked[mb] = (key, kept, math.fsum(kept.values()))
             biggest_park = max(biggest_park, parked[mb][2])
         else:
