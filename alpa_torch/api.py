@@ -228,8 +228,8 @@ class ParallelStep(StepObjects, ResilientStep):
 
     def _planning_cluster(self) -> Cluster:
         """The cluster the planner prices: with measured plan selection, the step's cluster with the
-        cost corrections earlier runs measured on it (``alpa_torch.calibration``)."""
-        return calibration.load(self.plan_cache, self.cluster) if self.tune else self.cluster
+        cost corrections earlier runs of this step measured on it (``alpa_torch.calibration``)."""
+        return calibration.load(self.plan_cache, self.cluster, self.graph) if self.tune else self.cluster
 
     def _capture(self, model, optimizer, batch):
         """The step's graph, the batch's layout and the index rules: floats of the batch as data
@@ -320,11 +320,11 @@ class ParallelStep(StepObjects, ResilientStep):
                             lambda: self.engine.memory(), try_compiled=self.compile is None)
         tuner.store_choice(self.plan_cache, self.graph, self.cluster, self.options, cands, kept)
         corrections = calibration.fit([ob for c in cands for ob in c.observations])
-        calibration.store(self.plan_cache, self.cluster, corrections)
+        calibration.store(self.plan_cache, self.cluster, self.graph, corrections)
         self.tuning = kept.plan.options["tuning"]
         self.plan_source = f"measured ({self.plan_source})"
         text = tuner.report(self.tuning) + (f"\n  measured cost corrections (measured / predicted), stored for "
-                                            f"this cluster: {corrections}" if corrections else "")
+                                            f"this step and cluster: {corrections}" if corrections else "")
         log.info("%s\n(%.1f s)", text, time.perf_counter() - t0)
         if self.progress is not None:
             self.progress(text)

@@ -116,17 +116,22 @@ def test_a_one_stage_step_counts_for_compute_and_update(graph):
     assert fitted == {"compute": {"1x2": ob["raw_ratio"]}, "update": {"1x2": ob["raw_ratio"]}}
 
 
-def test_the_plan_cache_keeps_a_clusters_corrections(tmp_path, caplog):
+def test_the_plan_cache_keeps_a_steps_corrections_on_a_cluster(graph, tmp_path, caplog):
+    """Kept per step and cluster: another cluster, or another step on the same cluster (a small
+    step's ratios are mostly per-operator cost and would misprice a large one), finds none."""
     cache, cluster = PlanCache(tmp_path), Cluster.local(1, 2)
-    assert calibration.load(cache, cluster) is cluster and calibration.load(None, cluster) is cluster
-    calibration.store(cache, cluster, {"compute": {"1x1": 0.7}})
-    calibration.store(cache, cluster, {"compute": {"1x2": 1.1}, "update": {"1x2": 0.6}})  # added, not replacing
-    loaded = calibration.load(cache, cluster)
+    assert calibration.load(cache, cluster, graph) is cluster and calibration.load(None, cluster, graph) is cluster
+    calibration.store(cache, cluster, graph, {"compute": {"1x1": 0.7}})
+    calibration.store(cache, cluster, graph, {"compute": {"1x2": 1.1}, "update": {"1x2": 0.6}})  # added, not replacing
+    loaded = calibration.load(cache, cluster, graph)
     assert loaded.cost_correction == {"compute": {"1x1": 0.7, "1x2": 1.1}, "update": {"1x2": 0.6}}
-    assert calibration.load(cache, Cluster.local(2, 1)).cost_correction == {}  # another cluster: none
+    assert calibration.load(cache, Cluster.local(2, 1), graph).cost_correction == {}  # another cluster: none
+    model, batch = ZOO["mlp"]()
+    other = capture(train_step, model, make_optimizer("adamw", model), batch)
+    assert calibration.load(cache, cluster, other).cost_correction == {}  # another step: none
     own = _corrected(cluster, compute={"1x2": 9.0})
-    assert calibration.load(cache, own) is own  # the user's own corrections win
-    path = cache.path(cache_key(calibration.cache_fields(cluster)))
-    path.write_text(json.dumps({"format": "alpa-torch-cache-data", "fields": calibration.cache_fields(cluster),
+    assert calibration.load(cache, own, graph) is own  # the user's own corrections win
+    path = cache.path(cache_key(calibration.cache_fields(cluster, graph)))
+    path.write_text(json.dumps({"format": "alpa-torch-cache-data", "fields": calibration.cache_fields(cluster, graph),
                                 "data": {"compute": {"1x1": -1}}}))
-    assert calibration.load(cache, cluster) is cluster and "ignoring the stored calibration" in caplog.text
+    assert calibration.load(cache, cluster, graph) is cluster and "ignoring the stored calibration" in caplog.text

@@ -302,7 +302,7 @@ def test_tuned_step_trains_as_eager_and_its_choice_is_cached(tmp_path):
     assert all(t["measured_bytes"] > 0 for t in tuning if t["measured_s"] is not None), tuning
     assert any("measured plan selection" in m for m in messages)
     assert step.plan_source.startswith("measured")
-    stored = calibration.load(PlanCache(tmp_path), Cluster.local(1, 2)).cost_correction
+    stored = calibration.load(PlanCache(tmp_path), Cluster.local(1, 2), step.graph).cost_correction
     assert stored and set(stored) <= {"compute", "update", "transfer"}, stored
     assert any("measured cost corrections" in m for m in messages)
 
@@ -317,7 +317,7 @@ def test_tuned_step_trains_as_eager_and_its_choice_is_cached(tmp_path):
 
     other = parallelize(train_step, Cluster.local(1, 2), tune=True, plan_cache=str(tmp_path), num_microbatches=2)
     model3, _ = ZOO["gpt"]()
-    try:  # another step on this cluster is planned at the measured rates
+    try:  # the step planned with other options on this cluster: at the measured rates
         other.make_plan(model3, make_optimizer("adamw", model3), make_batch("gpt", 8, seed=0))
         assert other.plan.cluster["cost_correction"] == stored
     finally:
