@@ -13,13 +13,15 @@ before it, its outputs the values read after it. On its first call it is compile
 ``torch._inductor.standalone_compile`` on the real inputs (Inductor: C++ on CPU, Triton on CUDA)
 and runs the compiled code from then on. With a cache directory the compiled artifact is saved
 there (``CompiledArtifact.save``, written to a temporary file renamed over the entry), keyed by
-``artifact_key``: the graph's code, every input's shape, strides, dtype and device, torch's
-version, Inductor's configuration and the machine's vector instructions or GPU generation. A
-later run of the same program on such a machine loads it and compiles nothing; an entry that
-does not load is logged and compiled again. Compiled code is specialized on its inputs' shapes
-and strides; an input laid out otherwise than when compiled (an earlier region's compiled output)
-compiles the region again, once. A region that fails to compile runs its kernels one by one as
-before, with one log line naming the reason (without ``compile`` no region is made). A value a
+``artifact_key``: the graph's code (inputs named by position), every input's shape, strides,
+alignment, dtype and device, torch's version, Inductor's configuration and the machine's vector
+instructions or GPU generation. A later run of the same program on such a machine loads it and
+compiles nothing, and so does a region of the same kernels on the same layouts in one run (the
+update of each parameter of one shape); an entry that does not load is logged and compiled again.
+Compiled code is specialized on its inputs' shapes and strides; an input laid out otherwise than
+when compiled (an earlier region's compiled output) compiles the region again, once. A region
+that fails to compile runs its kernels one by one as before, with one log line naming the reason
+(without ``compile`` no region is made). A value a
 region produces and no later step reads stays inside it: Inductor decides its memory. An input
 whose last reader is inside the region is handed over with the call (``_taking_list``): the
 compiled code frees it after its last use, as eager frees a saved activation during the backward.
@@ -127,15 +129,18 @@ class Region:
 
     def graph(self) -> fx.GraphModule:
         """The region as an FX graph of operator overloads: placeholders for the inputs (a tuple's
-        elements each), then the graph constants; outputs likewise flattened."""
+        elements each), then the graph constants; outputs likewise flattened. Placeholders are
+        named by position, not by the values they hold, so regions of the same kernels on the same
+        layouts (the update of each same-shaped parameter) have the same code and artifact key:
+        the first compiles, the others load its artifact (``compiled_artifact``)."""
         g = fx.Graph()
         nodes: dict[str, Any] = {}
-        for a, kind in zip(self.inputs, self._in_kinds):
+        for i, (a, kind) in enumerate(zip(self.inputs, self._in_kinds)):
             if kind is None:
-                nodes[a] = g.placeholder(_identifier(a))
+                nodes[a] = g.placeholder(f"in{i}")
             else:
-                nodes[a] = tuple(g.placeholder(f"{_identifier(a)}_{j}") for j in range(kind))
-        consts = {name: g.placeholder(_identifier(name)) for name in self.constants}
+                nodes[a] = tuple(g.placeholder(f"in{i}_{j}") for j in range(kind))
+        consts = {name: g.placeholder(f"const{k}") for k, name in enumerate(self.constants)}
         for st in self.steps:
             if st.kind == GET_ATTR:
                 nodes[st.name] = consts[st.name]
@@ -251,7 +256,12 @@ def artifact_key(gm: fx.GraphModule, example: list[torch.Tensor]) -> str:
         from torch._inductor.cpu_vec_isa import pick_vec_isa
 
         machine = str(pick_vec_isa())
-    inputs = [(tuple(t.shape), t.stride(), t.storage_offset(), str(t.dtype), str(t.device), t.requires_grad)
+    from torch._inductor.utils import tensor_is_aligned
+
+    # Where an input starts within its storage matters to the compiled code only as Inductor's
+    # alignment class (it copies an input misaligned at run time itself): the gradients of a bucket
+    # (views at offsets of one buffer) then share their update's artifact.
+    inputs = [(tuple(t.shape), t.stride(), tensor_is_aligned(t), str(t.dtype), str(t.device), t.requires_grad)
               for t in example]
     digest = hashlib.sha256()
     for part in (torch.__version__, machine, gm.code, repr(inputs)):
@@ -268,9 +278,6 @@ def _arity(value) -> int | None:
         return len(value)
     raise TypeError(f"a value crossing the region's border is a {type(value).__name__}, not tensors")
 
-
-def _identifier(name: str) -> str:
-    return "v_" + "".join(c if c.isalnum() else "_" for c in name)
 
 
 def split(steps: list, fusable: Callable[[Any], bool], alias: Callable[[Any], bool],

@@ -264,3 +264,23 @@ def test_compiled_regions_are_saved_and_a_second_run_loads_them(tmp_path, caplog
         assert not one_run(x).loaded
     assert any("ignoring compiled region" in r.getMessage() for r in caplog.records)
     assert one_run(x).loaded
+
+
+def test_regions_of_the_same_kernels_on_the_same_layouts_share_one_artifact(tmp_path):
+    """Two runs of the same kernels on inputs of one layout (as the update of each parameter of one
+    shape, whose gradients are views at different offsets of a bucket's buffer) have the same code
+    and key: the first region compiles and saves, the second loads it. Results stay right."""
+    def f(x, y):
+        a = torch.tanh(x) * 2
+        m = torch.relu(y)  # run by the runner: it ends the first region
+        return a, torch.tanh(m) * 2
+
+    buf = torch.randn(80)
+    x, y = buf[:32].view(4, 8), buf[48:].view(4, 8)  # offsets 0 and 48 floats: both aligned
+    run, inputs, _ = _regions_run(f, (x, y), general_ops=(torch.ops.aten.relu.default,), cache=str(tmp_path))
+    out = run(dict(zip(inputs, (x, y))), None)
+    torch.testing.assert_close(out[0], torch.tanh(x) * 2)
+    torch.testing.assert_close(out[1], torch.tanh(torch.relu(y)) * 2)
+    first, second = run.regions
+    assert first.inputs != second.inputs and first.graph().code == second.graph().code
+    assert (first.loaded, second.loaded) == (False, True) and len(list(tmp_path.glob("*.bin"))) == 1
