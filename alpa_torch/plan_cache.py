@@ -20,7 +20,7 @@ validates against the graph and cluster; anything else is logged and treated
 as a miss, and the caller's ``put`` overwrites it. Writes
 go to a temporary file renamed over the entry, so readers never see half a file.
 ``put_data`` / ``get_data`` keep plain JSON data beside the plans under key fields of
-their own (``alpa_torch.calibration``: a cluster's measured cost corrections).
+their own (``alpa_torch.calibration``: the cost corrections measured for a step on a cluster).
 
 Root: ``plan_cache=<path>``, else ``$ALPA_TORCH_CACHE``, else ``~/.cache/alpa_torch/plans``;
 ``plan_cache=False`` disables the cache.
