@@ -16,8 +16,9 @@ there (``CompiledArtifact.save``, written to a temporary file renamed over the e
 ``artifact_key``: the graph's code (inputs named by position), every input's shape, strides,
 alignment, dtype and device, torch's version, Inductor's configuration and the machine's vector
 instructions or GPU generation. A later run of the same program on such a machine loads it and
-compiles nothing, and so does a region of the same kernels on the same layouts in one run (the
-update of each parameter of one shape); an entry that does not load is logged and compiled again.
+compiles nothing; an entry that does not load is logged and compiled again. A region of the same
+kernels on the same layouts as one whose artifact is in use in the process (the update of each
+parameter of one shape) takes that artifact, neither compiling nor loading it.
 Compiled code is specialized on its inputs' shapes and strides; an input laid out otherwise than
 when compiled (an earlier region's compiled output) compiles the region again, once. A region
 that fails to compile runs its kernels one by one as before, with one log line naming the reason
@@ -41,6 +42,7 @@ import operator
 import os
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,10 @@ from torch._C._dynamo.guards import assert_size_stride
 from .program import CALL, GET_ATTR, GETITEM, MARKER, Slot
 
 log = logging.getLogger(__name__)
+
+_IN_USE: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+"""The artifacts this process's regions hold, by ``artifact_key``: a region of the same kernels on
+the same layouts as a live one takes its artifact, neither compiling nor loading it again."""
 
 
 class Region:
@@ -71,6 +77,7 @@ class Region:
         self.loaded = False
         """Whether the compiled code came from the cache (nothing compiled)."""
         self.compiled: Callable | None = None
+        self._artifact: Callable | None = None
         self.failed: str | None = None
         """Why compiling failed (the region then runs eagerly), or None."""
         self.compile_s = 0.0
@@ -186,7 +193,8 @@ class Region:
             self._out_kinds = [None if (n := _arity(r)) is None else (type(r), n) for r in results]
             consts = [get() for get in self.constants.values()]
             flat = self._flatten(args)
-            fn, self.loaded = compiled_artifact(self.graph(), flat + consts, self.cache)
+            self._artifact, self.loaded = compiled_artifact(self.graph(), flat + consts, self.cache)
+            fn = self._artifact  # kept by the region: other regions of its key share it (``_IN_USE``)
             self._in_layouts = [(tuple(t.shape), t.stride()) for t in flat]
             self.compiled = _taking_list(fn, consts)
         except Exception as exc:  # noqa: BLE001 - any failure falls back to the kernels as they are
@@ -200,18 +208,23 @@ class Region:
 
 def compiled_artifact(gm: fx.GraphModule, example: list[torch.Tensor],
                       cache: str | None) -> tuple[Callable, bool]:
-    """``(fn, loaded)``: ``gm`` compiled by Inductor for inputs like ``example``, loaded from the
-    directory ``cache`` if it holds it (``loaded``), else compiled and saved there (module
-    docstring); a cache that cannot be read or written is logged and bypassed."""
+    """``(fn, loaded)``: ``gm`` compiled by Inductor for inputs like ``example``: the artifact a live
+    region of this process holds for them (``_IN_USE``), else the one the directory ``cache``
+    holds (both ``loaded``: nothing compiled), else compiled and saved there (module docstring);
+    a cache that cannot be read or written is logged and bypassed."""
     from torch._inductor import CompiledArtifact, standalone_compile
 
-    path = None if cache is None else Path(cache) / f"{artifact_key(gm, example)}.bin"
+    key = artifact_key(gm, example)
+    if (artifact := _IN_USE.get(key)) is not None:
+        return artifact, True
+    path = None if cache is None else Path(cache) / f"{key}.bin"
     if path is not None and path.is_file():
         try:
-            return CompiledArtifact.load(path=str(path), format="binary"), True
+            artifact = _IN_USE[key] = CompiledArtifact.load(path=str(path), format="binary")
+            return artifact, True
         except Exception as exc:  # noqa: BLE001 - a damaged or foreign entry: compile it again
             log.warning("ignoring compiled region %s (%s: %s); compiling it again", path, type(exc).__name__, exc)
-    artifact = standalone_compile(gm, example, dynamic_shapes="from_example_inputs")
+    artifact = _IN_USE[key] = standalone_compile(gm, example, dynamic_shapes="from_example_inputs")
     if path is not None:
         tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex}")
         try:

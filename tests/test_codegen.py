@@ -238,6 +238,8 @@ def test_compiled_regions_are_saved_and_a_second_run_loads_them(tmp_path, caplog
     """With a cache directory the first program compiles its region and saves it; the same program
     generated again (a second run of a script) loads it and compiles nothing; an input laid out
     otherwise is another entry; a damaged entry is logged and compiled again. Results stay right."""
+    import gc
+
     from runtime.regions import artifact_key
 
     def f(x):
@@ -259,6 +261,7 @@ def test_compiled_regions_are_saved_and_a_second_run_loads_them(tmp_path, caplog
     assert not one_run(x.t()).loaded and len(list(tmp_path.glob("*.bin"))) == 2
     gm = one_run(x).graph()
     assert entry.name == f"{artifact_key(gm, [x])}.bin" != f"{artifact_key(gm, [x.t()])}.bin"
+    gc.collect()  # no region of this process holds the artifact any more: the cache is read again
     entry.write_bytes(b"not an artifact")
     with caplog.at_level("WARNING", logger="runtime.regions"):
         assert not one_run(x).loaded
@@ -269,7 +272,7 @@ def test_compiled_regions_are_saved_and_a_second_run_loads_them(tmp_path, caplog
 def test_regions_of_the_same_kernels_on_the_same_layouts_share_one_artifact(tmp_path):
     """Two runs of the same kernels on inputs of one layout (as the update of each parameter of one
     shape, whose gradients are views at different offsets of a bucket's buffer) have the same code
-    and key: the first region compiles and saves, the second loads it. Results stay right."""
+    and key: the first region compiles and saves, the second takes its artifact. Results stay right."""
     def f(x, y):
         a = torch.tanh(x) * 2
         m = torch.relu(y)  # run by the runner: it ends the first region
@@ -284,3 +287,4 @@ def test_regions_of_the_same_kernels_on_the_same_layouts_share_one_artifact(tmp_
     first, second = run.regions
     assert first.inputs != second.inputs and first.graph().code == second.graph().code
     assert (first.loaded, second.loaded) == (False, True) and len(list(tmp_path.glob("*.bin"))) == 1
+    assert second._artifact is first._artifact  # the live one is taken: not even loaded again
