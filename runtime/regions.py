@@ -22,10 +22,10 @@ parameter of one shape) takes that artifact, neither compiling nor loading it.
 Compiled code is specialized on its inputs' shapes and strides; an input laid out otherwise than
 when compiled (an earlier region's compiled output) compiles the region again, once. A region
 that fails to compile runs its kernels one by one as before, with one log line naming the reason
-(without ``compile`` no region is made). A value a
-region produces and no later step reads stays inside it: Inductor decides its memory. An input
-whose last reader is inside the region is handed over with the call (``_taking_list``): the
-compiled code frees it after its last use, as eager frees a saved activation during the backward.
+(without ``compile`` no region is made). A value a region produces and no later step reads stays
+inside it: Inductor decides its memory. An input whose last reader is inside the region is handed
+over with the call (``_taking_list``): the compiled code frees it after its last use, as eager
+frees a saved activation during the backward.
 
 What a region never holds: a step that writes into a dead input (``donation.py``: the compiled
 code decides its own buffer reuse, so a compiling runner turns donation off), a gradient marker
@@ -139,7 +139,7 @@ class Region:
         elements each), then the graph constants; outputs likewise flattened. Placeholders are
         named by position, not by the values they hold, so regions of the same kernels on the same
         layouts (the update of each same-shaped parameter) have the same code and artifact key:
-        the first compiles, the others load its artifact (``compiled_artifact``)."""
+        the first compiles, the others take its artifact (``compiled_artifact``)."""
         g = fx.Graph()
         nodes: dict[str, Any] = {}
         for i, (a, kind) in enumerate(zip(self.inputs, self._in_kinds)):
@@ -193,10 +193,10 @@ class Region:
             self._out_kinds = [None if (n := _arity(r)) is None else (type(r), n) for r in results]
             consts = [get() for get in self.constants.values()]
             flat = self._flatten(args)
+            # the region keeps its artifact: while it does, regions of the same key share it (_IN_USE)
             self._artifact, self.loaded = compiled_artifact(self.graph(), flat + consts, self.cache)
-            fn = self._artifact  # kept by the region: other regions of its key share it (``_IN_USE``)
             self._in_layouts = [(tuple(t.shape), t.stride()) for t in flat]
-            self.compiled = _taking_list(fn, consts)
+            self.compiled = _taking_list(self._artifact, consts)
         except Exception as exc:  # noqa: BLE001 - any failure falls back to the kernels as they are
             self._fail(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
         self.compile_s += time.perf_counter() - t0
