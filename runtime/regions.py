@@ -78,6 +78,7 @@ class Region:
         """Whether the compiled code came from the cache (nothing compiled)."""
         self.compiled: Callable | None = None
         self._artifact: Callable | None = None
+        """The compiled artifact; while a region holds it, ``_IN_USE`` hands it to regions of its key."""
         self.failed: str | None = None
         """Why compiling failed (the region then runs eagerly), or None."""
         self.compile_s = 0.0
@@ -193,7 +194,6 @@ class Region:
             self._out_kinds = [None if (n := _arity(r)) is None else (type(r), n) for r in results]
             consts = [get() for get in self.constants.values()]
             flat = self._flatten(args)
-            # the region keeps its artifact: while it does, regions of the same key share it (_IN_USE)
             self._artifact, self.loaded = compiled_artifact(self.graph(), flat + consts, self.cache)
             self._in_layouts = [(tuple(t.shape), t.stride()) for t in flat]
             self.compiled = _taking_list(self._artifact, consts)
@@ -290,7 +290,6 @@ def _arity(value) -> int | None:
     if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
         return len(value)
     raise TypeError(f"a value crossing the region's border is a {type(value).__name__}, not tensors")
-
 
 
 def split(steps: list, fusable: Callable[[Any], bool], alias: Callable[[Any], bool],
