@@ -14,6 +14,14 @@ them in buckets (``GradBuckets``):
   mesh: the default group when the mesh is the whole world, else one axis
   after the other) as soon as its last gradient is final, the rest when the
   last bucketed gradient arrives;
+- from the second step on (the replay, ``interpreter.StageRunner.end_step``), a bucket's
+  markers sit right after its last gradient is computed (``bucketed_order``): the capture puts
+  every marker after the whole backward, where no reduction could overlap it. A gradient of
+  more than 25 MiB fills a bucket by itself; a model whose gradients fit one bucket (the deep
+  GPT of ``bench/vs_pytorch.py``, 7.6 MB) reduces after its backward, as DDP's second bucket
+  does. Smaller buckets would overlap more, and on one core per device cost more: the
+  reductions' thread takes the core from the backward
+  (``docs/results/bucket_cap_overlap_2026-11-29.log``);
 - the first operator reading a gradient waits for its bucket and gets a
   ``DTensor`` view of the reduced buffer, with ``R`` on the reduced axes, or
   ``S(d)`` there when the plan's value spec of the gradient says so (the local
@@ -48,7 +56,8 @@ from alpa_torch.core.grad_reductions import (
     plain_partial,
 )
 
-__all__ = ["BUCKET_CAP_BYTES", "GradBuckets", "deferred_wants", "find_reductions", "plain_partial"]
+__all__ = ["BUCKET_CAP_BYTES", "GradBuckets", "bucketed_order", "deferred_wants", "find_reductions",
+           "plain_partial"]
 
 
 def deferred_wants(reductions: dict[str, GradReduction], input_specs: dict) -> dict[str, list[tuple]]:
@@ -95,6 +104,8 @@ class GradBuckets:
         self._pending = 0
         self.scale = 1
         self.collectives = 0
+        self.seen: dict[str, tuple[tuple, int]] = {}
+        """Each bucketed gradient's bucket key and bytes, as last put (``bucketed_order`` reads them)."""
 
     def begin(self, scale: int = 1) -> None:
         """Start a step; reduced gradients are divided by ``scale`` (microbatches)."""
@@ -113,6 +124,7 @@ class GradBuckets:
             self._arrived()
             return False
         key = (placements, red.axes, local.dtype)
+        self.seen[name] = (key, local.numel() * local.element_size())
         bucket = self._open.get(key)
         if bucket is None:
             bucket = self._open[key] = _Bucket(placements)
@@ -192,6 +204,43 @@ class GradBuckets:
             if not bucket.done:
                 self._complete(bucket)
         self._of.clear()
+
+
+def bucketed_order(records: list[tuple], seen: dict[str, tuple[tuple, int]], cap_bytes: int) -> list[tuple]:
+    """``records`` with each bucket's gradient markers moved up to just after the record computing
+    the last gradient of that bucket, so that its reduction starts there and runs while the
+    backward goes on (DDP's overlap), instead of after the whole backward, where the capture
+    places every marker (when ``loss.backward()`` returned).
+
+    ``seen``: each bucketed marker's key and bytes (``GradBuckets.seen``). The buckets are
+    ``GradBuckets.put``'s, taken in the order the gradients are computed: of one key, full at
+    ``cap_bytes``; the ones left open are issued when the last bucketed gradient is final. A
+    bucket's markers stay together in that order, so a compiled region ends once per bucket, not
+    once per gradient. Only markers move, and only earlier: every reader of a marker comes after
+    its old place, and the marker after its gradient's computation."""
+    at = {r[1]: i for i, r in enumerate(records)}
+    made = {r[1]: at[r[5][0]] for r in records if r[1] in seen}  # where each gradient is computed
+    groups, open_ = [], {}
+    for name in sorted(made, key=made.__getitem__):
+        key, nbytes = seen[name]
+        names, size = open_.get(key, ([], 0))
+        names.append(name)
+        open_[key] = (names, size + nbytes)
+        if size + nbytes >= cap_bytes:
+            groups.append((made[name], names))
+            del open_[key]
+    last = max(made.values(), default=-1)
+    groups += [(last, names) for names, _ in open_.values()]
+    after: dict[int, list[str]] = {}
+    for i, names in groups:
+        after.setdefault(i, []).extend(names)
+    by_name = {r[1]: r for r in records}
+    out = []
+    for i, r in enumerate(records):
+        if r[1] not in made:
+            out.append(r)
+        out.extend(by_name[n] for n in after.get(i, ()))
+    return out
 
 
 # ---------------------------------------------------------------- one flat collective instead of many

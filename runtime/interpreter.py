@@ -59,6 +59,7 @@ from .donation import INPLACE, donating, find_donations
 from .grad_buckets import (
     BUCKET_CAP_BYTES,
     GradBuckets,
+    bucketed_order,
     deferred_wants,
     find_reductions,
     gather_replicated,
@@ -160,6 +161,7 @@ class StageRunner:
         self._random = {name: self._shard_coords(name) for op, name, t, *_ in self.nodes
                         if op == "call_function" and is_random(t)}
         """Random operator -> this device's coordinates on the axes that shard its output."""
+        self._donate_state = donate_state
         self.program = self.compile(self.nodes, collect=True, donate_state=donate_state)
         if self.reductions:
             log.info("%d of the step's gradients reduced in buckets", len(self.reductions))
@@ -372,6 +374,9 @@ class StageRunner:
                 if not safe[n]:
                     rp.call = None
             self.replaying = True
+            if self.buckets is not None and self.buckets.seen:  # each bucket's reduction where its gradients are
+                self.program = self.compile(bucketed_order(self.nodes, self.buckets.seen, self.buckets.cap_bytes),
+                                            collect=True, donate_state=self._donate_state)
             self._state = {name: v.to_local() if isinstance(v, DTensor) else v for name, v in self._state.items()}
             log.info("replaying %d of %d operators on local tensors", sum(safe.values()), len(safe))
         self._note_owned()

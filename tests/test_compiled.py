@@ -2,11 +2,12 @@
 
 Each plan family runs 3 steps with its workers' runs of local kernels compiled by Inductor and
 is compared with single-device eager training (fp32, atol 1e-5; ``tests/test_runtime.run_case``):
-one device, data parallel (its gradient buckets end regions), tensor parallel and a sharded
-update (collectives between regions), and a two-stage pipeline through ``parallelize``. Each
-also checks that the workers compiled something and that nothing fell back. A second run of
-the mission's call loads every compiled region from the cache beside its plan. All but the
-one-device case are marked slow (each compiles for a minute or so on 2 cores; CI runs them).
+one device, data parallel (gradient buckets ending regions: ``test_runtime``'s bucket test),
+tensor parallel and a sharded update (collectives between regions), and a two-stage pipeline
+through ``parallelize``. Each also checks that the workers compiled something and that nothing
+fell back. A second run of the mission's call loads every compiled region from the cache beside
+its plan. All but the one-device case are marked slow (each compiles for a minute or so on 2
+cores; CI runs them).
 """
 
 from __future__ import annotations

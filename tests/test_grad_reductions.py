@@ -68,3 +68,19 @@ def test_gradient_kept_partial_through_its_marker_is_reduced_there_once():
     assert red.axes == (0,) and red.target == (rr[0],) and red.deferred == ()
     input_specs["lerp"] = [sr, sr]
     assert find_reductions(records, value_specs, input_specs, "alpa.grad.default") == {}
+
+
+def test_bucketed_order_moves_each_bucket_to_its_last_gradient():
+    """Markers (all after the backward, as captured) move up, a bucket's together in the order the
+    gradients are computed, to just after its last gradient; a bucket left open (another key) goes
+    where the last bucketed gradient is computed; every other record keeps its place."""
+    from runtime.grad_buckets import bucketed_order
+
+    def rec(name, *inputs):
+        return ("call_function", name, "op", (), {}, inputs)
+
+    records = [("placeholder", "x", "x", (), {}, ()), rec("g1", "x"), rec("h", "g1"), rec("g2", "h"),
+               rec("g3", "h"), rec("m1", "g1"), rec("m2", "g2"), rec("m3", "g3"), rec("u", "m1", "m2", "m3")]
+    seen = {"m1": ("k", 60), "m2": ("k", 60), "m3": ("other", 10)}  # m1 + m2 fill a 100-byte bucket
+    order = [r[1] for r in bucketed_order(records, seen, 100)]
+    assert order == ["x", "g1", "h", "g2", "m1", "m2", "g3", "m3", "u"]

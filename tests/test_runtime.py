@@ -356,6 +356,43 @@ def _dp_batch(seed):
     return tuple(torch.randint(0, 256, (32, 64), generator=gen) for _ in range(2))
 
 
+def _bucket_order(state) -> dict:
+    """Where the replayed step's first bucketed gradient marker sits against the computation of the
+    last gradient (the backward's end), and the reductions issued so far."""
+    from runtime.program import MARKER
+
+    runner = state["runner"]
+    steps = runner.program.steps
+    at = {st.name: i for i, st in enumerate(steps)}
+    markers = [i for i, st in enumerate(steps) if st.kind == MARKER and st.name in runner.reductions]
+    return {"first_marker": markers[0], "last_gradient": max(at[steps[i].inputs[0]] for i in markers),
+            "collectives": runner.buckets.collectives}
+
+
+def _small_buckets(state) -> bool:
+    """Buckets of 64 KiB on this worker from its first step on: the GPT's 1.9 MB of gradients fill many."""
+    state["runner"].buckets.cap_bytes = 64 * 2**10
+    return True
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_bucket_reductions_start_where_their_gradients_are_computed(compiled):
+    """The capture places every gradient marker after the whole backward. The replayed step hands
+    each bucket to its all-reduce right after its last gradient is computed
+    (``grad_buckets.bucketed_order``), so the first reductions run while the backward goes on, as
+    DDP's do. DDP's plan on 1x2, several buckets a step: equal to eager, replayed or compiled (each
+    bucket ends a compiled region)."""
+    model = _dp_gpt()
+    graph = capture(train_step, model, make_optimizer("adamw", model), _dp_batch(0))
+    cluster, steps = Cluster.local(1, 2), 3
+    probe = {"install": _small_buckets, "read": _bucket_order}
+    run_case("gpt", cluster, realistic(cluster, (1, 2)), steps=steps, force=data_parallel_force(graph),
+             probe=probe, build=_dp_gpt, batch_fn=_dp_batch, compile=compiled)
+    for rank in probe["result"]:
+        assert rank["first_marker"] < rank["last_gradient"], rank  # a reduction starts inside the backward
+        assert rank["collectives"] >= 4 * steps, rank  # several buckets a step
+
+
 @pytest.mark.slow
 def test_2d_data_parallel_gradients_are_bucketed():
     """Pure data parallelism on the 2-D mesh (2, 2): every gradient the plan reduces (partial
