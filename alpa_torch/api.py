@@ -67,6 +67,7 @@ from .capture import capture, check_precision, optimizers_of
 from .deploy import deploy_plan
 from .initial_state import checkpoint_source
 from .live import PARTS, LiveState
+from .measured_selection import MeasuredSelection
 from .optim import OptimizerSet
 from .plan_cache import PlanCache, cached_plan
 from .resilience import ResilientStep, check_reliability_options
@@ -91,7 +92,7 @@ def _first_microbatch(layout: BatchLayout, batch: Any, num_microbatches: int) ->
     return pytree.tree_unflatten(leaves, layout.spec)
 
 
-class ParallelStep(StepObjects, ResilientStep):
+class ParallelStep(StepObjects, ResilientStep, MeasuredSelection):
     """A training step bound to a cluster; call it like the original step."""
 
     def __init__(self, train_step: Callable, cluster: Cluster | None = None, *, plan=None,
@@ -295,57 +296,6 @@ class ParallelStep(StepObjects, ResilientStep):
         except BaseException:
             self._stop_workers()
             raise
-
-    def _tune(self, model, optimizer, batch, sources: list) -> None:
-        """Measured plan selection (``alpa_torch.tune``): run the candidates the cost model cannot
-        tell apart on the workers, keep the fastest, load the initial state (``sources``) into it."""
-        t0 = time.perf_counter()
-        cands = tuner.candidates(self.plan, self.graph, Cluster.from_dict(self.plan.cluster), self.options,
-                                 self.plan_cache, self.progress)  # the cluster the plan was priced on
-        if len(cands) == 1 and self.compile is not None:
-            return
-        scalars = self._functional.host_scalars()
-        leaves = self._batch_leaves(batch)
-
-        def observe(plan: ParallelPlan) -> list[dict]:  # one more step, recorded
-            self.engine.record(True)
-            self.engine.step(leaves, scalars)
-            observations = calibration.observe(plan, self.engine.events())
-            self.engine.record(self.trace)
-            return observations
-
-        kept = tuner.select(cands, lambda plan, fresh, compiled, again: self._use(plan, model, optimizer, batch,
-                                                                                   sources, fresh, compiled, again),
-                            lambda: self.engine.step(leaves, scalars), observe,
-                            lambda: self.engine.memory(), try_compiled=self.compile is None)
-        tuner.store_choice(self.plan_cache, self.graph, self.cluster, self.options, cands, kept)
-        corrections = calibration.fit([ob for c in cands for ob in c.observations])
-        calibration.store(self.plan_cache, self.cluster, self.graph, corrections)
-        self.tuning = kept.plan.options["tuning"]
-        self.plan_source = f"measured ({self.plan_source})"
-        text = tuner.report(self.tuning) + (f"\n  measured cost corrections (measured / predicted), stored for "
-                                            f"this step and cluster: {corrections}" if corrections else "")
-        log.info("%s\n(%.1f s)", text, time.perf_counter() - t0)
-        if self.progress is not None:
-            self.progress(text)
-
-    def _use(self, plan: ParallelPlan, model, optimizer, batch, sources: list, fresh: bool = False,
-             compiled: bool = False, again: bool = False) -> None:
-        """Deploy ``plan`` on the running workers (on new ones if ``fresh``: none of the memory the
-        earlier plans left; their programs compiled if ``compiled``) and load the state ``sources``
-        give into it; ``again``: ``plan`` is deployed already, so only the state is loaded again and
-        the step count restarted (``Engine.restart``)."""
-        if again:
-            self.engine.restart(sources)
-            return
-        self.plan, self.compiled = plan, compiled
-        self.run_graph = self._runtime_graph(model, optimizer, batch)
-        if fresh:
-            self._stop_workers()
-            self._launch(sources)
-            return
-        self.engine = self._deploy()
-        self.engine.load(sources)
 
     def _runtime_graph(self, model, optimizer, batch):
         """The graph the workers run: the step on one microbatch (before activation checkpointing)."""
