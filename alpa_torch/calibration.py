@@ -58,8 +58,9 @@ VERSION = 2
 """Part of the cache key of stored corrections: a change of what they mean misses (2: kept per
 step, no longer per cluster)."""
 EVENT_KINDS = {"forward": "compute", "backward": "compute", "weight": "compute", "update": "update",
-               "collective": "update", "transfer": "transfer", "step": "step"}
-"""Category of a recorded event (``runtime/timeline.py``) -> the kind of cost it is measured against."""
+               "collective": "update", "transfer": "transfer", "step": "step", "reduction": None}
+"""Category of a recorded event (``runtime/timeline.py``) -> the kind of cost it is measured against
+(None: inside another event's time, a bucket's all-reduce in a one-stage step's)."""
 FITTED = ("compute", "update", "step")
 """The kinds ``fit`` learns from."""
 
@@ -82,7 +83,8 @@ def observe(plan: ParallelPlan, events: list[tuple[int, int, list]]) -> list[dic
         per_kind: dict[str, float] = {}
         for _, category, t0, t1, _ in evs:
             kind = EVENT_KINDS[category]
-            per_kind[kind] = per_kind.get(kind, 0.0) + (t1 - t0) / 1e9
+            if kind is not None:
+                per_kind[kind] = per_kind.get(kind, 0.0) + (t1 - t0) / 1e9
         spent.setdefault(stage, []).append(per_kind)
     figures = stage_figures(plan)
     out = []

@@ -40,6 +40,9 @@ from alpa_torch.core.errors import require_extra
 from alpa_torch.core.plan import ParallelPlan, _ranges
 
 MAX_DEVICE_ROWS = 16
+ROW_TID = 100_000
+"""A measured event with a ``row`` (a bucket's all-reduce: ``runtime/timeline.py``) goes to a row of
+its own under its device: tid = (the row's index + 1) x ROW_TID + rank."""
 _CMAP = "tab10"
 
 
@@ -101,7 +104,8 @@ def trace_from_events(per_rank, plan: ParallelPlan | None = None) -> dict:
     """A Chrome/Perfetto trace of what the workers recorded in a step (``runtime/timeline.py``;
     ``ParallelStep.measured_trace``): ``per_rank`` is (stage, rank, events) per worker, as
     ``Engine.events`` gives it. One row (tid) per device (rank) of each stage (pid), as in
-    ``trace_from_timeline``; times from the first event of any worker."""
+    ``trace_from_timeline``, and below it one per ``row`` its events name (``ROW_TID``); times
+    from the first event of any worker."""
     start = min((e[2] for _, _, events in per_rank for e in events), default=0)
     end = max((e[3] for _, _, events in per_rank for e in events), default=start)
     out: list[dict] = []
@@ -111,9 +115,12 @@ def trace_from_events(per_rank, plan: ParallelPlan | None = None) -> dict:
         out.append(_name_event("process", k, _stage_name(k, devices)))
     for k, rank, events in per_rank:
         out.append(_name_event("thread", k, f"device {rank}", tid=rank))
+        rows = sorted({d["row"] for *_, d in events if "row" in d})
+        tids = {row: (i + 1) * ROW_TID + rank for i, row in enumerate(rows)}
+        out += [_name_event("thread", k, f"device {rank} {row}", tid=tids[row]) for row in rows]
         for name, cat, t0, t1, details in events:
-            out.append({"ph": "X", "name": name, "cat": cat, "pid": k, "tid": rank, "ts": (t0 - start) / 1e3,
-                        "dur": (t1 - t0) / 1e3, "args": {"stage": k, **details}})
+            out.append({"ph": "X", "name": name, "cat": cat, "pid": k, "tid": tids.get(details.get("row"), rank),
+                        "ts": (t0 - start) / 1e3, "dur": (t1 - t0) / 1e3, "args": {"stage": k, **details}})
     return _trace(out, "alpa-torch runtime (measured)", (end - start) / 1e9)
 
 

@@ -115,6 +115,8 @@ def _install(state: dict, records_bytes: bytes, setup: dict, stage: int) -> bool
     state["recorder"] = recorder = StepRecorder()
     if not setup["pipelined"]:
         state["program"] = _OneStage(runner, recorder)
+        if runner.buckets is not None:  # a bucket's all-reduce overlapping the backward, in the trace
+            runner.buckets.recorder = recorder
         return True
     state["program"] = PipelineRunner(
         runner, stage, setup["programs"][stage], setup["crossings"],

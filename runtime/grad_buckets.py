@@ -43,6 +43,7 @@ all-gather per placements instead of one per tensor and axis).
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,8 @@ from alpa_torch.core.grad_reductions import (
     is_sum,
     plain_partial,
 )
+
+from .timeline import StepRecorder
 
 __all__ = ["BUCKET_CAP_BYTES", "GradBuckets", "bucketed_order", "deferred_wants", "find_reductions",
            "plain_partial"]
@@ -73,7 +76,8 @@ def deferred_wants(reductions: dict[str, GradReduction], input_specs: dict) -> d
 
 
 class _Bucket:
-    __slots__ = ("placements", "names", "locals", "shapes", "numel", "nbytes", "flat", "work", "axes_left", "done")
+    __slots__ = ("placements", "names", "locals", "shapes", "numel", "nbytes", "flat", "work", "axes_left", "done",
+                 "issued_ns")
 
     def __init__(self, placements: tuple):
         self.placements = placements
@@ -87,6 +91,7 @@ class _Bucket:
         self.work = None
         self.axes_left: list = []
         self.done = False
+        self.issued_ns = 0
 
 
 class GradBuckets:
@@ -106,6 +111,9 @@ class GradBuckets:
         self.collectives = 0
         self.seen: dict[str, tuple[tuple, int]] = {}
         """Each bucketed gradient's bucket key and bytes, as last put (``bucketed_order`` reads them)."""
+        self.recorder: StepRecorder | None = None
+        """Where each bucket's all-reduce is recorded, from its start to its end as the step saw it
+        (``timeline.py``'s 'reduction' events), if anywhere."""
 
     def begin(self, scale: int = 1) -> None:
         """Start a step; reduced gradients are divided by ``scale`` (microbatches)."""
@@ -155,6 +163,7 @@ class GradBuckets:
         bucket.flat = torch.cat([t.reshape(-1) for t in bucket.locals]) if len(bucket.locals) > 1 \
             else bucket.locals[0].reshape(-1).clone()
         bucket.locals = []
+        bucket.issued_ns = time.time_ns()
         groups = [None] if self._world and len(axes) == self.mesh.ndim else [self.mesh.get_group(a) for a in axes]
         bucket.work = dist.all_reduce(bucket.flat, group=groups[0], async_op=True)
         bucket.axes_left = groups[1:]  # further axes: one after the other, when first read
@@ -164,12 +173,17 @@ class GradBuckets:
         if bucket.flat is None:
             self._open = {k: b for k, b in self._open.items() if b is not bucket}
             self._issue(bucket, self.reductions[bucket.names[0]].axes)
+        waited = time.time_ns()
         bucket.work.wait()
         for group in bucket.axes_left:
             dist.all_reduce(bucket.flat, group=group)
         if self.scale != 1:
             bucket.flat.div_(self.scale)
         bucket.done = True
+        if self.recorder is not None:
+            now = time.time_ns()
+            self.recorder.add("all-reduce", "reduction", bucket.issued_ns, now, row="reductions",
+                              gradients=len(bucket.names), bytes=bucket.nbytes, waited_ms=(now - waited) / 1e6)
 
     def take(self, name: str, local: bool = False):
         """The reduced gradient ``name`` (waits for its bucket): R, or S(d) where the plan wants it;

@@ -9,7 +9,10 @@ cluster keep close (NTP), so the events of every worker line up on one time axis
 Categories: 'forward', 'backward', 'weight', 'update' (a phase program of a stage, 'weight' a
 split backward's second part; a one-stage plan runs its step as one program, 'step'),
 'transfer' (receiving a cross-stage value, posting its sends, waiting for sends at the end of
-the step) and 'collective' (waiting for the gradient buckets' reductions, ``grad_buckets.py``).
+the step), 'collective' (waiting for the gradient buckets' reductions, ``grad_buckets.py``) and,
+in a one-stage step, 'reduction': a bucket's all-reduce from its start to its end as the step
+saw it (when its first reader had waited for it), on a row of its own (details ``row``), where
+it overlaps the backward.
 Names follow the predicted trace's (``alpa_torch.viz.trace_from_timeline``): 'F3' / 'B3' / 'W3' for microbatch 3, 'U'.
 Turning events into a Chrome/Perfetto trace is ``alpa_torch.viz.trace_from_events``'s.
 """
@@ -41,6 +44,11 @@ class StepRecorder:
     def span(self, name: str, category: str, **details: Any) -> contextlib.AbstractContextManager:
         """A context that records its run as one event (nothing when off)."""
         return self._span(name, category, details) if self.on else _OFF
+
+    def add(self, name: str, category: str, start_ns: int, end_ns: int, **details: Any) -> None:
+        """Record an event timed by its caller (nothing when off)."""
+        if self.on:
+            self.events.append((name, category, start_ns, end_ns, details))
 
     @contextlib.contextmanager
     def _span(self, name: str, category: str, details: dict) -> Iterator[None]:

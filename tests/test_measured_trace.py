@@ -72,3 +72,28 @@ def test_measured_trace_needs_trace_true():
         step.measured_trace()
     with pytest.raises(TypeError, match="trace="):
         parallelize(train_step, Cluster.local(1, 2), trace="yes")
+
+
+def test_a_data_parallel_step_records_its_bucket_reductions_on_a_row_of_their_own():
+    """A one-stage step is one 'step' event per device; its gradient buckets' all-reduces are
+    recorded apart ('reduction', from the start of each to its end as the step saw it), on a row
+    under the device's, inside the step: where they overlap the backward shows."""
+    model, batch = ZOO["gpt"]()
+    opt = make_optimizer("adamw", model)
+    step = parallelize(train_step, Cluster.local(1, 2), tune=False, sharding=False, pipeline=False, trace=True,
+                       plan_cache=False)
+    try:
+        for _ in range(2):
+            step(model, opt, batch)
+        trace = step.measured_trace()
+    finally:
+        step.shutdown()
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    for rank in (0, 1):
+        (whole,) = [e for e in events if e["cat"] == "step" and e["tid"] == rank]
+        reductions = [e for e in events if e["cat"] == "reduction" and names[(e["pid"], e["tid"])] ==
+                      f"device {rank} reductions"]
+        assert reductions and all(e["args"]["bytes"] > 0 for e in reductions)
+        assert all(whole["ts"] <= e["ts"] <= e["ts"] + e["dur"] <= whole["ts"] + whole["dur"] + 1 for e in reductions)
