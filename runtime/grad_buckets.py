@@ -247,11 +247,13 @@ def bucketed_order(records: list[tuple], seen: dict[str, tuple[tuple, int]], cap
     groups += [(last, names) for names, _ in open_.values()]
     after: dict[int, list[str]] = {}
     for i, names in groups:
-        after.setdefault(i, []).extend(names)
+        if i < min(at[n] for n in names):  # a marker already above its bucket's last gradient stays
+            after.setdefault(i, []).extend(names)
+    moved = {n for names in after.values() for n in names}
     by_name = {r[1]: r for r in records}
     out = []
     for i, r in enumerate(records):
-        if r[1] not in made:
+        if r[1] not in moved:
             out.append(r)
         out.extend(by_name[n] for n in after.get(i, ()))
     return out

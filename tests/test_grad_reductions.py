@@ -84,3 +84,6 @@ def test_bucketed_order_moves_each_bucket_to_its_last_gradient():
     seen = {"m1": ("k", 60), "m2": ("k", 60), "m3": ("other", 10)}  # m1 + m2 fill a 100-byte bucket
     order = [r[1] for r in bucketed_order(records, seen, 100)]
     assert order == ["x", "g1", "h", "g2", "m1", "m2", "g3", "m3", "u"]
+    # a marker placed before the last gradient of its bucket (not the capture's order) never moves down
+    early = [records[0], records[1], records[5], *records[2:5], *records[6:]]  # m1 right after g1
+    assert [r[1] for r in bucketed_order(early, seen, 100)] == ["x", "g1", "m1", "h", "g2", "g3", "m3", "m2", "u"]
