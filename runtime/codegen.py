@@ -96,7 +96,9 @@ def generate(program: Program, layout: Callable[[Any], Layout | None], general: 
              marker: Callable, collect: Callable, constant: Callable,
              watch: dict[str, Callable[[Any], None]] | None = None,
              regions: Callable[[Any], bool] | None = None,
-             region_cache: str | None = None) -> Callable[[dict, Any], list | None]:
+             region_cache: str | None = None,
+             writes: dict[str, tuple[str, int, frozenset[str]]] | None = None,
+             owned: set[str] | None = None) -> Callable[[dict, Any], list | None]:
     """``fn(env, on_grad)`` running ``program`` (module docstring).
 
     ``layout(step)``: the step's direct call, or None; ``general(step)``: ``env -> value`` for the
@@ -106,7 +108,10 @@ def generate(program: Program, layout: Callable[[Any], Layout | None], general: 
     ``regions``: compile runs of local kernels (``regions.py``); ``regions(marker)`` says whether a
     gradient marker only names its value (``env[name] = value``: it may sit inside a run), else it
     ends the run. A run ends after a watched value, whose hook runs then. ``region_cache``: the
-    directory of the regions' compiled artifacts, or None."""
+    directory of the regions' compiled artifacts, or None. ``writes``: new state value -> ``(state
+    input, i, shared)`` (``interpreter.StageRunner._state_writes``): a region holding step ``i``, reading
+    the state input and none of the other values in ``shared``, writes the new value into the state's
+    memory while ``owned`` (the runner's set, kept up to date) holds the state input."""
     watch = watch or {}
     w = _Writer()
     layouts = {st.name: layout(st) for st in program.steps if st.kind == CALL}
@@ -124,7 +129,8 @@ def generate(program: Program, layout: Callable[[Any], Layout | None], general: 
             w.emit(f"collect({st.before!r}, env)")
         if i in spans:
             end = spans[i]
-            made.append(_region(w, steps, i, end, layouts, general, constant, region_cache))
+            made.append(_region(w, steps, i, end, layouts, general, constant, region_cache, writes or {},
+                                owned if owned is not None else set()))
             w.emit(f"R[{len(made) - 1}](env)")
             for later in steps[i:end]:  # hooks of the region's values, in order
                 if later.name in watch and later.kind in (CALL, GETITEM):
@@ -167,8 +173,9 @@ def _emit_step(w: _Writer, st, layouts: dict, general: Callable, constant: Calla
 
 
 def _region(w: _Writer, steps: list, start: int, end: int, layouts: dict, general: Callable,
-            constant: Callable, cache: str | None) -> Region:
-    """``steps[start:end]`` as a ``Region``; its uncompiled form is generated like the program."""
+            constant: Callable, cache: str | None, writes: dict, owned: set[str]) -> Region:
+    """``steps[start:end]`` as a ``Region``; its uncompiled form is generated like the program; the
+    new state it may write in place (``generate``'s ``writes``)."""
     inner = _Writer()
     inner.consts = w.consts
     for st in steps[start:end]:
@@ -181,7 +188,10 @@ def _region(w: _Writer, steps: list, start: int, end: int, layouts: dict, genera
     inputs, outputs, freed = region_io(steps, start, end)
     members = steps[start:end]
     consts = {st.name: (lambda st=st: constant(st)) for st in members if st.kind == GET_ATTR}
-    return Region(start, members, layouts, consts, inputs, outputs, freed, scope["eager"], cache)
+    read = set(inputs)
+    in_place = {new: state for new, (state, at, shared) in writes.items()
+                if start <= at < end and new in outputs and state in read and not (shared - {state}) & read}
+    return Region(start, members, layouts, consts, inputs, outputs, freed, scope["eager"], cache, in_place, owned)
 
 
 __all__ = ["Layout", "generate"]

@@ -114,9 +114,23 @@ def _first_arg_slot(st) -> int | None:
     return first
 
 
-def find_donations(program: Program, state_nodes: frozenset[str] | set[str] = frozenset()) -> dict[str, Donation]:
-    """Step name -> what it may overwrite (module docstring). ``state_nodes``: the runner's
-    state inputs this program may donate (it is their last reader in the step)."""
+@dataclass(slots=True)
+class _Groups:
+    """Values grouped by the memory they share (``_alias_groups``)."""
+
+    aliases: _Aliases
+    last: dict[str, int]
+    """Per group root: the index of the step reading it last (len(steps): kept past the program)."""
+    pinned: set[str]
+    """Roots of groups whose memory must outlive the program or belongs to the caller."""
+    state: dict[str, set[str]]
+    """Per group root: the state inputs in it."""
+
+
+def _alias_groups(program: Program, state_nodes: frozenset[str] | set[str]) -> tuple[_Groups, dict[str, int], set[str]]:
+    """The program's values grouped by memory (an alias analysis from the operators' schemas), with
+    each value's last reader and every value whose memory outlives the program or is the caller's
+    (module docstring)."""
     steps = program.steps
     aliases, pinned = _Aliases(), set()
     last: dict[str, int] = {}
@@ -138,18 +152,24 @@ def find_donations(program: Program, state_nodes: frozenset[str] | set[str] = fr
     pinned.update(a for a in program.reads if a not in state_nodes)
     names = set(aliases.parent) | set(last) | set(program.reads) | {st.name for st in steps}
     pinned.update(n for n in names if n not in last)  # kept past the program
-    group_last: dict[str, int] = {}
-    group_pinned: set[str] = set()
-    group_state: dict[str, set[str]] = {}
+    groups = _Groups(aliases, {}, set(), {})
     for n in names:
         root = aliases.find(n)
-        group_last[root] = max(group_last.get(root, -1), last.get(n, len(steps)))
+        groups.last[root] = max(groups.last.get(root, -1), last.get(n, len(steps)))
         if n in pinned:
-            group_pinned.add(root)
+            groups.pinned.add(root)
         if n in program.reads and n in state_nodes:
-            group_state.setdefault(root, set()).add(n)
+            groups.state.setdefault(root, set()).add(n)
+    return groups, last, names
+
+
+def find_donations(program: Program, state_nodes: frozenset[str] | set[str] = frozenset()) -> dict[str, Donation]:
+    """Step name -> what it may overwrite (module docstring). ``state_nodes``: the runner's
+    state inputs this program may donate (it is their last reader in the step)."""
+    groups, _, _ = _alias_groups(program, state_nodes)
+    aliases = groups.aliases
     out = {}
-    for i, st in enumerate(steps):
+    for i, st in enumerate(program.steps):
         if st.kind != CALL or st.target not in INPLACE or not st.inputs:
             continue
         slot = _first_arg_slot(st)
@@ -157,14 +177,31 @@ def find_donations(program: Program, state_nodes: frozenset[str] | set[str] = fr
             continue
         a = st.inputs[slot]
         root = aliases.find(a)
-        if a not in st.free or root in group_pinned or group_last[root] != i:
+        if a not in st.free or root in groups.pinned or groups.last[root] != i:
             continue
         if any(aliases.find(b) == root for j, b in enumerate(st.inputs) if j != slot):
             continue
-        states = group_state.get(root, set())
+        states = groups.state.get(root, set())
         if len(states) > 1:
             continue
         out[st.name] = Donation(slot, next(iter(states)) if states else None)
+    return out
+
+
+def state_overwrites(program: Program, state_nodes: frozenset[str] | set[str]) -> dict[str, tuple[int, frozenset[str]]]:
+    """State input -> ``(i, shared)`` for each of ``state_nodes`` whose memory the program may overwrite
+    once step ``i`` has read it: no value sharing that memory (``shared``, the state input among them)
+    is read after step ``i``, none outlives the program, and no other state shares it. A compiled
+    region holding step ``i`` writes the state's new value there (``regions.Region``), as
+    torch.optim's compiled update does, when the runner owns the tensor outright."""
+    groups, _, names = _alias_groups(program, state_nodes)
+    members: dict[str, set[str]] = {}
+    for n in names:
+        members.setdefault(groups.aliases.find(n), set()).add(n)
+    out = {}
+    for root, states in groups.state.items():
+        if len(states) == 1 and root not in groups.pinned:
+            out[next(iter(states))] = (groups.last[root], frozenset(members[root]))
     return out
 
 

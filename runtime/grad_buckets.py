@@ -59,7 +59,7 @@ from alpa_torch.core.grad_reductions import (
 
 from .timeline import StepRecorder
 
-__all__ = ["BUCKET_CAP_BYTES", "GradBuckets", "bucketed_order", "deferred_wants", "find_reductions",
+__all__ = ["BUCKET_CAP_BYTES", "GradBuckets", "bucket_groups", "bucketed_order", "deferred_wants", "find_reductions",
            "plain_partial"]
 
 
@@ -220,18 +220,14 @@ class GradBuckets:
         self._of.clear()
 
 
-def bucketed_order(records: list[tuple], seen: dict[str, tuple[tuple, int]], cap_bytes: int) -> list[tuple]:
-    """``records`` with each bucket's gradient markers moved up to just after the record computing
-    the last gradient of that bucket, so that its reduction starts there and runs while the
-    backward goes on (DDP's overlap), instead of after the whole backward, where the capture
-    places every marker (when ``loss.backward()`` returned).
+def bucket_groups(records: list[tuple], seen: dict[str, tuple[tuple, int]],
+                  cap_bytes: int) -> list[tuple[int, list[str]]]:
+    """``GradBuckets.put``'s buckets, simulated on the step's ``records``: per bucket, the index of the
+    record computing its last gradient and its markers' names, in the order they fill it.
 
-    ``seen``: each bucketed marker's key and bytes (``GradBuckets.seen``). The buckets are
-    ``GradBuckets.put``'s, taken in the order the gradients are computed: of one key, full at
-    ``cap_bytes``; the ones left open are issued when the last bucketed gradient is final. A
-    bucket's markers stay together in that order, so a compiled region ends once per bucket, not
-    once per gradient. Only markers move, and only earlier: every reader of a marker comes after
-    its old place, and the marker after its gradient's computation."""
+    ``seen``: each bucketed marker's key and bytes (``GradBuckets.seen``). The gradients are taken in
+    the order they are computed: a bucket of one key is full at ``cap_bytes``; the ones left open are
+    issued when the last bucketed gradient is final (their index: the last gradient's)."""
     at = {r[1]: i for i, r in enumerate(records)}
     made = {r[1]: at[r[5][0]] for r in records if r[1] in seen}  # where each gradient is computed
     groups, open_ = [], {}
@@ -244,9 +240,21 @@ def bucketed_order(records: list[tuple], seen: dict[str, tuple[tuple, int]], cap
             groups.append((made[name], names))
             del open_[key]
     last = max(made.values(), default=-1)
-    groups += [(last, names) for names, _ in open_.values()]
+    return groups + [(last, names) for names, _ in open_.values()]
+
+
+def bucketed_order(records: list[tuple], seen: dict[str, tuple[tuple, int]], cap_bytes: int) -> list[tuple]:
+    """``records`` with each bucket's gradient markers moved up to just after the record computing
+    the last gradient of that bucket (``bucket_groups``), so that its reduction starts there and runs
+    while the backward goes on (DDP's overlap), instead of after the whole backward, where the capture
+    places every marker (when ``loss.backward()`` returned).
+
+    A bucket's markers stay together in the order they fill it, so a compiled region ends once per
+    bucket, not once per gradient. Only markers move, and only earlier: every reader of a marker comes
+    after its old place, and the marker after its gradient's computation."""
+    at = {r[1]: i for i, r in enumerate(records)}
     after: dict[int, list[str]] = {}
-    for i, names in groups:
+    for i, names in bucket_groups(records, seen, cap_bytes):
         if i < min(at[n] for n in names):  # a marker already above its bucket's last gradient stays
             after.setdefault(i, []).extend(names)
     moved = {n for names in after.values() for n in names}

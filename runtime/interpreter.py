@@ -55,10 +55,11 @@ from alpa_torch.core.spec import ShardingSpec, to_dtensor_placements
 
 from .codegen import Layout, generate
 from .devices import mesh_device
-from .donation import INPLACE, donating, find_donations
+from .donation import INPLACE, donating, find_donations, state_overwrites
 from .grad_buckets import (
     BUCKET_CAP_BYTES,
     GradBuckets,
+    bucket_groups,
     bucketed_order,
     deferred_wants,
     find_reductions,
@@ -146,7 +147,9 @@ class StageRunner(OperatorCalls):
         self.meta: dict[str, Any] = {}
         """Name -> ``ValueMeta`` of every value seen while learning."""
         self.compile_regions, self.region_cache = compile_regions, region_cache
-        self.donate_enabled = switch_on(DONATE_ENV) and not compile_regions
+        self.overwrite_state = switch_on(DONATE_ENV)
+        """Whether a step may write the new state into the old state's memory where the runner owns it."""
+        self.donate_enabled = self.overwrite_state and not compile_regions
         """Whether operators may run in place on dead inputs (``donation.py``; compiled regions reuse memory
         their own way); set before the first step."""
         self._owned: set[str] = set()
@@ -159,6 +162,8 @@ class StageRunner(OperatorCalls):
                         if op == "call_function" and is_random(t)}
         """Random operator -> this device's coordinates on the axes that shard its output."""
         self._donate_state = donate_state
+        self.bucket_mates: dict[str, tuple[str, ...]] = {}
+        """Each bucketed gradient's bucket (its names), known after the learning step (``_collect_before``)."""
         self.program = self.compile(self.nodes, collect=True, donate_state=donate_state)
         if self.reductions:
             log.info("%d of the step's gradients reduced in buckets", len(self.reductions))
@@ -170,12 +175,28 @@ class StageRunner(OperatorCalls):
         overwrite state memory the runner owns (``donation.py``)."""
         program = compile_program(records, GRAD_MARKER_NAME, keep)
         if collect and self.reductions:
-            for name, st in program.first_readers(self.reductions).items():
-                st.before += (name,)
+            self._collect_before(program)
         state_nodes = frozenset(self._state_node.values()) if donate_state else frozenset()
         for name, donation in find_donations(program, state_nodes).items():
             program.step(name).donate = donation
+        if state_nodes:
+            program.overwrites = state_overwrites(program, state_nodes)
         return program
+
+    def _collect_before(self, program: Program) -> None:
+        """Mark where each bucketed gradient is collected: at its first reader, or, once the buckets are
+        known (``bucket_mates``), with its whole bucket at the first reader of any of them, where every
+        one of their markers runs before that (or in an earlier phase). A bucket is waited for once
+        either way; this way a compiled region is cut once per bucket, not once per gradient (the
+        update of every parameter a region of its own)."""
+        first = program.first_readers(self.reductions)
+        index = {st.name: i for i, st in enumerate(program.steps)}
+        for name, st in first.items():
+            mates = [n for n in self.bucket_mates.get(name, (name,)) if n in first]
+            at = min(index[first[n].name] for n in mates)
+            if any(index.get(n, -1) >= at for n in mates):  # a mate's gradient is not yet in its bucket there
+                at = index[st.name]
+            program.steps[at].before += (name,)
 
     def _shard_coords(self, name: str) -> tuple[int, ...]:
         if self.local:
@@ -372,6 +393,8 @@ class StageRunner(OperatorCalls):
                     rp.call = None
             self.replaying = True
             if self.buckets is not None and self.buckets.seen:  # each bucket's reduction where its gradients are
+                self.bucket_mates = {n: tuple(names) for _, names in bucket_groups(
+                    self.nodes, self.buckets.seen, self.buckets.cap_bytes) for n in names}
                 self.program = self.compile(bucketed_order(self.nodes, self.buckets.seen, self.buckets.cap_bytes),
                                             collect=True, donate_state=self._donate_state)
             self._state = {name: v.to_local() if isinstance(v, DTensor) else v for name, v in self._state.items()}
@@ -382,12 +405,29 @@ class StageRunner(OperatorCalls):
         """State a later step may donate: plain tensors that are not views, hold no memory given to
         ``load_state`` and share their storage with no other state entry."""
         self._owned.clear()
-        if not self.donate_enabled:
+        if not self.overwrite_state:
             return
         storage_of = {name: t.untyped_storage().data_ptr() for name, t in self._state.items()
                       if type(t) is torch.Tensor and t._base is None and name not in self._foreign}
         holders = Counter(storage_of.values())
         self._owned.update(self._state_node[name] for name, ptr in storage_of.items() if holders[ptr] == 1)
+
+    def _state_writes(self, program: Program) -> dict[str, tuple[str, int, frozenset[str]]]:
+        """New state value -> ``(state input, i, shared)``: the state input whose memory a compiled region
+        holding step ``i`` may write the value into (``donation.state_overwrites``), where the value is
+        stored as computed (no gather, no other placement) and stored once."""
+        if not (self.compile_regions and self.overwrite_state):
+            return {}
+        stored = Counter(node for _, _, node in self.outputs)
+        out = {}
+        for kind, name, node in self.outputs:
+            state = None if kind == "loss" else self._state_node.get(name)
+            if state not in program.overwrites or stored[node] > 1 or node == state:
+                continue
+            meta = None if self.local else self.meta.get(node)
+            if self.local or (meta is not None and meta.placements == self.value_specs.get(state, self.rep)):
+                out[node] = (state, *program.overwrites[state])
+        return out
 
     def _donor(self, st, op) -> Callable | None:
         """``(args, kwargs) -> result`` of ``op`` for a donating step (``donation.donating``), or None."""
@@ -409,7 +449,7 @@ class StageRunner(OperatorCalls):
                 alias = (lambda st: named and st.name not in self.reductions) if self.compile_regions else None
                 program.fast = generate(program, self._layout, self._general, self._marker, self._collect,
                                         self.constant, {self._loss_node: self._loss_ready} if self._loss_node else None,
-                                        alias, self.region_cache)
+                                        alias, self.region_cache, self._state_writes(program), self._owned)
                 program.fast.on_grad = on_grad is not None
             return program.fast(env, on_grad)
         learning = self.learning and self.replay_enabled  # metadata for the replay: only when learning one

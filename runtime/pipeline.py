@@ -86,8 +86,9 @@ class PipelineRunner:
         self.programs = {
             "forward": r.compile(records["forward"], backward_reads | sent["forward"] | loss | outputs),
             "backward": backward, "weight": weight,
-            "update": r.compile(records["update"], outputs, collect=True, donate_state=True),
+            "update": self._update_program(records["update"]),
         }
+        self._update_records = records["update"]
         self.after = {"forward": (sent["forward"] | loss) - backward_reads - outputs,
                       "backward": sent["backward"] - weight.reads - outputs, "weight": set()}
         """Values kept past a phase only to be sent or read as the loss: dropped after that."""
@@ -95,6 +96,11 @@ class PipelineRunner:
         read_in_backward = {a for st in steps for a in st.inputs}
         self.markers = [st.name for st in steps if st.kind == MARKER]
         self._keep_marker = {m for m in self.markers if m in read_in_backward}
+
+    def _update_program(self, records: list) -> Any:
+        """The update's program: it collects the reduced gradients, and its state is donated."""
+        r = self.runner
+        return r.compile(records, {node for _, _, node in r.outputs}, collect=True, donate_state=True)
 
     # ------------------------------------------------------------------ comm
     def _src_spec(self, c) -> str:
@@ -217,7 +223,10 @@ class PipelineRunner:
             with rec.span("send wait", "transfer"):
                 for work, _ in works:
                     work.wait()
+        learnt = r.learning
         r.end_step()
+        if learnt and r.bucket_mates:  # the buckets are known: collected a bucket at a time
+            self.programs["update"] = self._update_program(self._update_records)
         return self._combined(losses)
 
     def _combined(self, losses: list[float]) -> float | None:

@@ -87,6 +87,8 @@ class Program:
         self.reads = reads
         """Names this program reads but does not compute (its inputs from outside)."""
         self._by_name: dict[str, Step] | None = None
+        self.overwrites: dict[str, tuple[int, frozenset[str]]] = {}
+        """State inputs whose memory the program may overwrite, and where (``donation.state_overwrites``)."""
         self.fast: Callable[[dict, Any], list | None] | None = None
         """The program as one generated function (``codegen.generate``), made by its runner once
         every operator's way of running is settled."""

@@ -92,13 +92,24 @@ def _program_of(f, *args):
     return compile_program(records, "alpa.grad"), [n.name for n in gm.graph.nodes if n.op == "placeholder"]
 
 
-def _regions_run(f, args, general_ops=(), cache=None):
+def _regions_run(f, args, general_ops=(), cache=None, state=None):
     """``f``'s program generated with compiled regions (their artifacts in the directory ``cache``);
     operators in ``general_ops`` run through the runner's per-operator function (they split the
-    program)."""
+    program). ``state``: the set of owned state inputs, by position (emptied, then the input names
+    put in; ``None``: no state); each output ``k`` of ``f`` is then the new value of input ``k``."""
     from runtime.codegen import Layout, generate
+    from runtime.donation import state_overwrites
 
     program, inputs = _program_of(f, *args)
+    writes = owned = None
+    if state is not None:
+        names = [inputs[k] for k in sorted(state)]
+        state.clear()
+        state.update(names)
+        over = state_overwrites(program, set(names))
+        outs = program.steps[-1].target
+        writes = {outs[inputs.index(n)]: (n, *over[n]) for n in names if n in over}
+        owned = state
 
     def layout(st):
         if st.target in general_ops:
@@ -112,8 +123,79 @@ def _regions_run(f, args, general_ops=(), cache=None):
             return st.target(*a, **k)
         return call
 
-    run = generate(program, layout, general, None, None, None, regions=lambda st: True, region_cache=cache)
+    run = generate(program, layout, general, None, None, None, regions=lambda st: True, region_cache=cache,
+                   writes=writes, owned=owned)
     return run, inputs, program
+
+
+def test_a_compiled_region_writes_the_new_state_into_the_old_states_memory():
+    """An update (``m = 0.9 m + g``, ``p = p - 0.1 m``): each new value is written into its state
+    input's memory (``donation.state_overwrites``), as torch.optim's compiled update does, while the
+    runner owns that tensor; else into a copy, and the caller's tensor is left as it was. The values
+    equal eager's either way."""
+    def update(p, m, g):
+        m2 = m * 0.9 + g
+        return p - 0.1 * m2, m2
+
+    p, m, g = torch.randn(64, 32), torch.randn(64, 32), torch.randn(64, 32)
+    owned = {0, 1}
+    run, inputs, _ = _regions_run(update, (p, m, g), state=owned)
+    want = update(p, m, g)
+    (region,) = run.regions
+    mine = set(owned)
+    for held in (set(), mine):  # memory the runner does not own (compiled here), then memory it owns
+        owned.clear()
+        owned.update(held)
+        p1, m1 = p.clone(), m.clone()
+        out = run(dict(zip(inputs, (p1, m1, g))), None)
+        torch.testing.assert_close(out[0], want[0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(out[1], want[1], rtol=0, atol=1e-6)
+        assert len(region._writes) == 2
+        if held:
+            assert out[0] is p1 and out[1] is m1  # written where the old state was
+        else:
+            assert out[0] is not p1 and out[1] is not m1
+            assert torch.equal(p1, p) and torch.equal(m1, m)  # the caller's tensors untouched
+
+
+def test_a_state_another_value_still_reads_is_not_written_in_place():
+    """``p`` is also returned as it was (a value outliving the program shares its memory): the update
+    may not overwrite it, and the region computes the new value into memory of its own."""
+    def update(p, g):
+        return p - 0.1 * g, p.view(-1)
+
+    p, g = torch.randn(16, 8), torch.randn(16, 8)
+    owned = {0}
+    run, inputs, _ = _regions_run(update, (p, g), state=owned)
+    p1 = p.clone()
+    out = run(dict(zip(inputs, (p1, g))), None)
+    (region,) = run.regions
+    assert region._writes == [] and torch.equal(p1, p)
+    torch.testing.assert_close(out[0], p - 0.1 * g)
+
+
+def test_zero_dim_values_a_kernel_reads_are_computed_once():
+    """``regions.hoist_scalars``: AdamW's bias correction (``1 - beta ** step``, on the 0-d step count)
+    read by the kernel over the parameter becomes an output of the graph (Inductor then computes it
+    once, not once per vector of elements inside the kernel's loop); the graph's own outputs are
+    unchanged, and an elementwise value of full size is not hoisted."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from runtime.regions import hoist_scalars
+
+    def update(p, m, step, beta):
+        step2 = step + 1
+        corr = 1 - beta ** step2.to(torch.float64)
+        return p - (m / corr.to(torch.float32)) * 0.1, step2
+
+    args = [torch.randn(32, 16), torch.randn(32, 16), torch.tensor(3.0), torch.tensor(0.9)]
+    gm = make_fx(update)(*args)
+    assert hoist_scalars(gm, args) == 1  # the float32 correction the kernel reads; step2 is an output already
+    out = gm(*args)
+    assert len(out) == 3 and out[2].dim() == 0
+    want = update(*args)
+    torch.testing.assert_close(out[0], want[0])
+    torch.testing.assert_close(out[1], want[1])
 
 
 def test_compiled_regions_run_like_the_records():

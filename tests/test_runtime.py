@@ -366,7 +366,8 @@ def _bucket_order(state) -> dict:
     at = {st.name: i for i, st in enumerate(steps)}
     markers = [i for i, st in enumerate(steps) if st.kind == MARKER and st.name in runner.reductions]
     return {"first_marker": markers[0], "last_gradient": max(at[steps[i].inputs[0]] for i in markers),
-            "collectives": runner.buckets.collectives}
+            "collectives": runner.buckets.collectives, "bucketed": len(markers),
+            "collected_at": sum(1 for st in steps if st.before)}
 
 
 def _small_buckets(state) -> bool:
@@ -381,7 +382,8 @@ def test_bucket_reductions_start_where_their_gradients_are_computed(compiled):
     each bucket to its all-reduce right after its last gradient is computed
     (``grad_buckets.bucketed_order``), so the first reductions run while the backward goes on, as
     DDP's do. DDP's plan on 1x2, several buckets a step: equal to eager, replayed or compiled (each
-    bucket ends a compiled region)."""
+    bucket ends a compiled region, and the update reads each bucket's gradients from one place,
+    ``StageRunner._collect_before``)."""
     model = _dp_gpt()
     graph = capture(train_step, model, make_optimizer("adamw", model), _dp_batch(0))
     cluster, steps = Cluster.local(1, 2), 3
@@ -391,6 +393,8 @@ def test_bucket_reductions_start_where_their_gradients_are_computed(compiled):
     for rank in probe["result"]:
         assert rank["first_marker"] < rank["last_gradient"], rank  # a reduction starts inside the backward
         assert rank["collectives"] >= 4 * steps, rank  # several buckets a step
+        # a bucket's gradients are collected together, at the first reader of any: fewer places than gradients
+        assert 4 <= rank["collected_at"] < rank["bucketed"], rank
 
 
 @pytest.mark.slow
