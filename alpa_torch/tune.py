@@ -38,7 +38,8 @@ faster. So ``parallelize`` (``tune=True``, the default) treats its prediction as
   compiling happens in the untimed steps), as a candidate of its own, even where it was the
   only plan measured: compiled kernels run faster or slower than replayed ones by model,
   sequence length and device (docs/benchmarks.md §4: 0.84-1.01x on this machine's CPUs), and
-  the compiled program keeps no donation, so it needs more memory;
+  the compiled program writes only the new state into the old one's memory (Inductor decides the
+  rest), so it may need more memory;
 - the fastest measured that may fit is kept, the initial state loaded into it, and training
   starts; on new workers if it held more than the plan may use in its trial (with what the
   earlier trials left); where none may fit, the one that needed the least, on new workers,

@@ -22,7 +22,8 @@ them in buckets (``GradBuckets``):
   does. Smaller buckets would overlap more, and on one core per device cost more: the
   reductions' thread takes the core from the backward
   (``docs/results/bucket_cap_overlap_2026-11-29.log``);
-- the first operator reading a gradient waits for its bucket and gets a
+- the first operator reading a gradient (from the second step on, reading any gradient of
+  its bucket: ``bucket_groups``, ``StageRunner._collect_before``) waits for its bucket and gets a
   ``DTensor`` view of the reduced buffer, with ``R`` on the reduced axes, or
   ``S(d)`` there when the plan's value spec of the gradient says so (the local
   chunk of the all-reduced value: on gloo an all-reduce is 3-4x faster per

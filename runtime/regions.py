@@ -27,8 +27,12 @@ inside it: Inductor decides its memory. An input whose last reader is inside the
 over with the call (``_taking_list``): the compiled code frees it after its last use, as eager
 frees a saved activation during the backward.
 
+A region holding the last reader of a state tensor the runner owns outright writes that state's
+new value into its memory (``in_place``, from ``donation.state_overwrites``), as torch.optim's
+compiled update does; a 0-d value its kernels read is computed once (``hoist_scalars``).
+
 What a region never holds: a step that writes into a dead input (``donation.py``: the compiled
-code decides its own buffer reuse, so a compiling runner turns donation off), a gradient marker
+code decides its own buffer reuse, so a compiling runner turns that donation off), a gradient marker
 whose hook does more than name the value (a bucket's, a pipeline's accumulation), a watched
 value's hook (a region ends after the value, and the hook runs then: the loss answers the driver
 early, which overlaps its next call with the backward and the update).
