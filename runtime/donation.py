@@ -127,10 +127,10 @@ class _Groups:
     """Per group root: the state inputs in it."""
 
 
-def _alias_groups(program: Program, state_nodes: frozenset[str] | set[str]) -> tuple[_Groups, dict[str, int], set[str]]:
-    """The program's values grouped by memory (an alias analysis from the operators' schemas), with
-    each value's last reader and every value whose memory outlives the program or is the caller's
-    (module docstring)."""
+def _alias_groups(program: Program, state_nodes: frozenset[str] | set[str]) -> tuple[_Groups, set[str]]:
+    """The program's values grouped by memory (an alias analysis from the operators' schemas), each
+    group's last reader and whether its memory outlives the program or is the caller's (module
+    docstring); and every value name seen."""
     steps = program.steps
     aliases, pinned = _Aliases(), set()
     last: dict[str, int] = {}
@@ -160,13 +160,13 @@ def _alias_groups(program: Program, state_nodes: frozenset[str] | set[str]) -> t
             groups.pinned.add(root)
         if n in program.reads and n in state_nodes:
             groups.state.setdefault(root, set()).add(n)
-    return groups, last, names
+    return groups, names
 
 
 def find_donations(program: Program, state_nodes: frozenset[str] | set[str] = frozenset()) -> dict[str, Donation]:
     """Step name -> what it may overwrite (module docstring). ``state_nodes``: the runner's
     state inputs this program may donate (it is their last reader in the step)."""
-    groups, _, _ = _alias_groups(program, state_nodes)
+    groups, _ = _alias_groups(program, state_nodes)
     aliases = groups.aliases
     out = {}
     for i, st in enumerate(program.steps):
@@ -194,7 +194,7 @@ def state_overwrites(program: Program, state_nodes: frozenset[str] | set[str]) -
     is read after step ``i``, none outlives the program, and no other state shares it. A compiled
     region holding step ``i`` writes the state's new value there (``regions.Region``), as
     torch.optim's compiled update does, when the runner owns the tensor outright."""
-    groups, _, names = _alias_groups(program, state_nodes)
+    groups, names = _alias_groups(program, state_nodes)
     members: dict[str, set[str]] = {}
     for n in names:
         members.setdefault(groups.aliases.find(n), set()).add(n)

@@ -111,7 +111,7 @@ class GradBuckets:
         self.scale = 1
         self.collectives = 0
         self.seen: dict[str, tuple[tuple, int]] = {}
-        """Each bucketed gradient's bucket key and bytes, as last put (``bucketed_order`` reads them)."""
+        """Each bucketed gradient's bucket key and bytes, as last put (``bucket_groups`` reads them)."""
         self.recorder: StepRecorder | None = None
         """Where each bucket's all-reduce is recorded, from its start to its end as the step saw it
         (``timeline.py``'s 'reduction' events), if anywhere."""
@@ -244,9 +244,9 @@ def bucket_groups(records: list[tuple], seen: dict[str, tuple[tuple, int]],
     return groups + [(last, names) for names, _ in open_.values()]
 
 
-def bucketed_order(records: list[tuple], seen: dict[str, tuple[tuple, int]], cap_bytes: int) -> list[tuple]:
+def bucketed_order(records: list[tuple], groups: list[tuple[int, list[str]]]) -> list[tuple]:
     """``records`` with each bucket's gradient markers moved up to just after the record computing
-    the last gradient of that bucket (``bucket_groups``), so that its reduction starts there and runs
+    the last gradient of that bucket (``groups``: ``bucket_groups``), so that its reduction starts there and runs
     while the backward goes on (DDP's overlap), instead of after the whole backward, where the capture
     places every marker (when ``loss.backward()`` returned).
 
@@ -255,7 +255,7 @@ def bucketed_order(records: list[tuple], seen: dict[str, tuple[tuple, int]], cap
     after its old place, and the marker after its gradient's computation."""
     at = {r[1]: i for i, r in enumerate(records)}
     after: dict[int, list[str]] = {}
-    for i, names in bucket_groups(records, seen, cap_bytes):
+    for i, names in groups:
         if i < min(at[n] for n in names):  # a marker already above its bucket's last gradient stays
             after.setdefault(i, []).extend(names)
     moved = {n for names in after.values() for n in names}

@@ -393,9 +393,9 @@ class StageRunner(OperatorCalls):
                     rp.call = None
             self.replaying = True
             if self.buckets is not None and self.buckets.seen:  # each bucket's reduction where its gradients are
-                self.bucket_mates = {n: tuple(names) for _, names in bucket_groups(
-                    self.nodes, self.buckets.seen, self.buckets.cap_bytes) for n in names}
-                self.program = self.compile(bucketed_order(self.nodes, self.buckets.seen, self.buckets.cap_bytes),
+                groups = bucket_groups(self.nodes, self.buckets.seen, self.buckets.cap_bytes)
+                self.bucket_mates = {n: tuple(names) for _, names in groups for n in names}
+                self.program = self.compile(bucketed_order(self.nodes, groups),
                                             collect=True, donate_state=self._donate_state)
             self._state = {name: v.to_local() if isinstance(v, DTensor) else v for name, v in self._state.items()}
             log.info("replaying %d of %d operators on local tensors", sum(safe.values()), len(safe))

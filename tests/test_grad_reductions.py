@@ -74,7 +74,7 @@ def test_bucketed_order_moves_each_bucket_to_its_last_gradient():
     """Markers (all after the backward, as captured) move up, a bucket's together in the order the
     gradients are computed, to just after its last gradient; a bucket left open (another key) goes
     where the last bucketed gradient is computed; every other record keeps its place."""
-    from runtime.grad_buckets import bucketed_order
+    from runtime.grad_buckets import bucket_groups, bucketed_order
 
     def rec(name, *inputs):
         return ("call_function", name, "op", (), {}, inputs)
@@ -82,8 +82,9 @@ def test_bucketed_order_moves_each_bucket_to_its_last_gradient():
     records = [("placeholder", "x", "x", (), {}, ()), rec("g1", "x"), rec("h", "g1"), rec("g2", "h"),
                rec("g3", "h"), rec("m1", "g1"), rec("m2", "g2"), rec("m3", "g3"), rec("u", "m1", "m2", "m3")]
     seen = {"m1": ("k", 60), "m2": ("k", 60), "m3": ("other", 10)}  # m1 + m2 fill a 100-byte bucket
-    order = [r[1] for r in bucketed_order(records, seen, 100)]
+    order = [r[1] for r in bucketed_order(records, bucket_groups(records, seen, 100))]
     assert order == ["x", "g1", "h", "g2", "m1", "m2", "g3", "m3", "u"]
     # a marker placed before the last gradient of its bucket (not the capture's order) never moves down
     early = [records[0], records[1], records[5], *records[2:5], *records[6:]]  # m1 right after g1
-    assert [r[1] for r in bucketed_order(early, seen, 100)] == ["x", "g1", "m1", "h", "g2", "g3", "m3", "m2", "u"]
+    order = [r[1] for r in bucketed_order(early, bucket_groups(early, seen, 100))]
+    assert order == ["x", "g1", "m1", "h", "g2", "g3", "m3", "m2", "u"]
