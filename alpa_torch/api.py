@@ -508,8 +508,9 @@ def parallelize(train_step: Callable | Cluster | None = None, cluster: Cluster |
     trace), ``compile`` (True compiles each worker's runs of local kernels with Inductor after
     the first step, kept beside the plans so that a second run of the script loads them and
     compiles nothing; a run that fails to compile runs as before, logged; ``runtime/regions.py``.
-    The default, None, leaves it to measured plan selection, which runs the kept plan compiled
-    too and keeps the faster; without ``tune`` it is False). The default cluster is ``Cluster.local(1, 2)``.
+    The default, None, leaves it to measured plan selection, which runs the fastest replayed
+    plan (and the next within ``tune.COMPILE_MARGIN`` of it) compiled too and keeps the fastest;
+    without ``tune`` it is False). The default cluster is ``Cluster.local(1, 2)``.
 
     Mixed precision: ``precision`` is 'fp32' (default), 'bf16' or 'fp16'. With 'bf16' /
     'fp16' the step's forward and loss run under ``torch.autocast`` (matmuls in the low

@@ -124,6 +124,33 @@ def test_the_kept_plan_is_measured_compiled_too_and_the_faster_kept(monkeypatch)
         assert tuner.kept_compiled(tuning) == want_compiled and "search, compiled" in tuner.report(tuning)
 
 
+def test_the_next_fastest_replayed_plan_is_measured_compiled_too(monkeypatch):
+    """Compiling shrinks the kernels, not the communication: a plan slower replayed may be faster
+    compiled. The replayed plan within ``COMPILE_MARGIN`` of the fastest is measured compiled as
+    well (``COMPILED_TRIALS`` in all), one further off is not, and the fastest compiled is kept."""
+    graph, cluster, plan = _plans()
+    plans = [dataclasses.replace(plan, predicted_step_s=plan.predicted_step_s * f) for f in (1.0, 1.01, 1.02)]
+    cands = [tuner.Candidate(label, p) for label, p in zip(("search", "data parallel", "2 stages"), plans)]
+    replayed = {id(plans[0]): 0.100, id(plans[1]): 0.110, id(plans[2]): 0.100 * tuner.COMPILE_MARGIN + 0.01}
+    compiled_s = {id(plans[0]): 0.095, id(plans[1]): 0.080, id(plans[2]): 0.010}
+    now, length, deployed = [0.0], [replayed[id(plans[0])]], []
+
+    def use(p, fresh, compiled, again):
+        deployed.append((p, compiled))
+        length[0] = (compiled_s if compiled else replayed)[id(p)]
+
+    def step():
+        now[0] += length[0]
+
+    monkeypatch.setattr(tuner.time, "perf_counter", lambda: now[0])
+    kept = tuner.select(cands, use, step, lambda p: [], lambda: [(0.0, 0.0)], try_compiled=True)
+    assert [c.label for c in cands] == ["search", "data parallel", "2 stages", "search, compiled",
+                                        "data parallel, compiled"]
+    assert kept is cands[4] and kept.compiled and kept.plan is plans[1]
+    assert "not measured compiled" in cands[2].note and cands[0].note == ""
+    assert deployed[-1] == (plans[1], True)
+
+
 def test_a_trial_is_timed_on_the_steps_after_the_replays_code_generation(monkeypatch):
     """On a stage of several devices the first three steps after a deployment are slow (DTensor,
     the replay's recording, its code generation): a trial measures the steps after them."""
