@@ -334,10 +334,12 @@ def to_compile(cands: list[Candidate], kept: Candidate) -> list[Candidate]:
     out = [kept]
     for c in sorted((c for c in cands if c.measured_s is not None and c is not kept and c.may_fit()),
                     key=lambda c: c.measured_s):
-        if len(out) < COMPILED_TRIALS and c.measured_s <= COMPILE_MARGIN * kept.measured_s:
+        within = c.measured_s <= COMPILE_MARGIN * kept.measured_s
+        if within and len(out) < COMPILED_TRIALS:
             out.append(c)
         elif not c.note:
-            c.note = (f"measured {c.measured_s / kept.measured_s:.2f}x the {kept.label} plan replayed: "
+            why = f"{COMPILED_TRIALS} compiled trials already" if within else f"over {COMPILE_MARGIN:g}x"
+            c.note = (f"measured {c.measured_s / kept.measured_s:.2f}x the {kept.label} plan replayed ({why}): "
                       "not measured compiled")
     return out
 

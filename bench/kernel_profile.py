@@ -73,13 +73,14 @@ def _profiled(state: dict) -> dict:
     return {"operators": box["table"], "worker_idle_ms": round(1e3 * statistics.median(gaps), 2)}
 
 
-def worker(system: str, workload: str, length: int, args) -> dict:
+def worker(system: str, args) -> dict:
     """One system in this process (``--worker``): its JSON line."""
     import torch
     from one_device import _build, _threads
     from torch.profiler import ProfilerActivity, profile
 
     torch.set_num_threads(_threads())
+    workload, length = args.workload, args.length
     model, batch, step_fn = _build(workload, length, "cpu", torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if system == "compile":
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", metavar="SYSTEM", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker, args.workload, args.length, args)), flush=True)
+        print(json.dumps(worker(args.worker, args)), flush=True)
         return 0
     info = {**machine_info(), "argv": list(sys.argv[1:] if argv is None else argv)}
     rows = {}
