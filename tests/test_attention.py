@@ -280,14 +280,15 @@ def test_attention_split_on_batch_or_heads_equals_eager_on_1x2(spec):
 
 
 @pytest.mark.usefixtures("ray_session")
-@pytest.mark.parametrize("spec", ["RS(1)", pytest.param("RS(0)", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("spec", ["RS(1)", pytest.param("RS(0)", marks=pytest.mark.sweep)])
 def test_grouped_query_masked_attention_split_equals_eager_on_1x2(spec):
     _forced_run(Cluster.local(1, 2), (1, 2), spec, GQA, _gqa_batches())
 
 
-@pytest.mark.slow
 @pytest.mark.usefixtures("ray_session")
-@pytest.mark.parametrize("spec", ["S(0)S(1)", "S(1)S(0)", "S(0)S(0)"])
+@pytest.mark.parametrize("spec", [pytest.param("S(0)S(1)", marks=pytest.mark.slow),
+                                  pytest.param("S(1)S(0)", marks=pytest.mark.sweep),
+                                  pytest.param("S(0)S(0)", marks=pytest.mark.sweep)])
 def test_attention_split_on_both_axes_equals_eager_on_2x2(spec):
     _forced_run(Cluster.local(2, 2), (2, 2), spec, _gpt, [_tokens(seed=i) for i in range(3)])
     if spec == "S(0)S(1)":

@@ -387,7 +387,7 @@ def test_summary_string():
     assert graph.meta["batch_shapes"] == [(8, 16), (8, 16)]
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_meta_gpt_1_3b_captures_without_weights():
     """GPT-3 1.3B (1.42e9 params, 5.7 GB in fp32) on the meta device: captured in fake mode."""
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

@@ -196,7 +196,7 @@ def _train_and_compare(step, name_or_model, batches, opt="adamw"):
 
 
 @pytest.mark.usefixtures("ray_session")
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_checkpointed_plan_runs_and_equals_eager(wide_batch_gpt):
     model, _, graph = wide_batch_gpt
     cluster, one = Cluster.local(1, 2), dict(num_microbatches=1, pipeline=False)

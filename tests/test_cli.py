@@ -179,7 +179,7 @@ def test_explain_reports_time_memory_constraint_and_runner_ups(planned):
     check_png(d / "again.png")
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_explain_recomputes_runner_ups_for_a_plan_without_them(tmp_path):
     assert cli("plan", "mlp", "--local", "1x2", "--no-alternatives", "-q", "--out", "bare.json",
                cwd=tmp_path).returncode == 0
@@ -238,7 +238,7 @@ def test_train_local_cluster_checks_against_eager(tmp_path):
     assert json.loads((tmp_path / "step.predicted.json").read_text())["otherData"]["source"].endswith("(predicted)")
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_profile_writes_a_cluster_the_planner_reads(tmp_path):
     out = cli("profile", "--local", "1x2", "--quick", "--out", "cluster.json", cwd=tmp_path, timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -6,8 +6,9 @@ one device, data parallel (gradient buckets ending regions: ``test_runtime``'s b
 tensor parallel and a sharded update (collectives between regions), and a two-stage pipeline
 through ``parallelize``. Each also checks that the workers compiled something and that nothing
 fell back. A second run of the mission's call loads every compiled region from the cache beside
-its plan. All but the one-device case are marked slow (each compiles for a minute or so on 2
-cores; CI runs them).
+its plan. Each but the one-device case compiles for a minute or so on 2 cores: the second run,
+data parallelism and the pipeline are slow tests (CI runs them); HF LLaMA on one device, tensor
+parallelism and the sharded update are a sweep (``python -m pytest -m sweep tests/test_compiled.py``).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def test_a_second_run_of_a_script_loads_its_compiled_regions(tmp_path):
         assert len(list((tmp_path / "compiled").glob("*.bin"))) == 2
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_hugging_face_llama_compiled_on_one_device_equals_eager():
     """HF LLaMA with grouped-query attention: its backward region reads activations the forward
     region lays out as compiled code does, not as the kernels run one by one would."""
@@ -100,7 +101,7 @@ def test_data_parallel_compiled_equals_eager():
     _compiled_everywhere(probe)
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_sharded_optimizer_state_compiled_equals_eager():
     """ZeRO's plan: the batch split, weights replicated, the optimizer state split on dim 0 (each
     device updates its part, then the weights are gathered)."""
@@ -114,7 +115,7 @@ def test_sharded_optimizer_state_compiled_equals_eager():
     _compiled_everywhere(probe)
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_tensor_parallel_compiled_equals_eager():
     probe = dict(PROBE)
     run_case("mlp", Cluster.local(1, 2), cheap_comm((1, 2)), probe=probe, compile=True)

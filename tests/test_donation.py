@@ -156,7 +156,7 @@ def _state_pointers(state):
 
 
 @pytest.mark.usefixtures("ray_session")
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_donating_runtime_trains_bit_for_bit_as_without():
     """A 1x2 data-parallel GPT, AdamW, 4 steps: the same losses and state, bit for bit, with
     and without donation; with it, the update runs in the memory of the old state."""

@@ -60,7 +60,7 @@ def _same(got, want) -> None:
 @pytest.mark.parametrize("cluster, options, tags", [
     ((1, 2), {}, True),
     pytest.param((2, 2), {"num_stages": 2, "num_microbatches": 2}, True, marks=pytest.mark.slow),
-    pytest.param((2, 2), {"num_stages": 2, "num_microbatches": 2}, False, marks=pytest.mark.slow),
+    pytest.param((2, 2), {"num_stages": 2, "num_microbatches": 2}, False, marks=pytest.mark.sweep),
 ], ids=["1x2", "2x2-pipeline", "2x2-pipeline-untagged"])
 def test_evaluation_on_the_training_workers_equals_eager(monkeypatch, cluster, options, tags):
     """``untagged``: every point-to-point message with tag 0 (``ALPA_TORCH_P2P_TAGS=0``), as NCCL

@@ -7,9 +7,10 @@ parameter afterwards with eager single-device training (fp32, atol 1e-5).
 
 Families: GPT-2 and LLaMA (causal LM), BERT (sequence classification and masked LM),
 T5 (encoder-decoder with labels). Planning takes 20-40 s per model on 2 cores, so
-only BERT classification runs by default; the others are ``slow``
-(``python -m pytest -m slow tests/test_hf.py``). GPT-2 also runs by default in
-``test_runtime.test_automatic_plan_matches_eager``. BERT-MLM and T5 tie weights (the
+BERT-MLM's automatic plan and T5's pipeline of two microbatches are ``slow`` tests (CI runs
+them); the other cases, whose models the twins of ``tests/test_hf_twins.py``
+also train, are a sweep (``python -m pytest -m sweep tests/test_hf.py``). GPT-2 also runs by
+default in ``test_runtime.test_automatic_plan_matches_eager``. BERT-MLM and T5 tie weights (the
 decoder to the word embeddings, T5's shared embedding): the stage DP keeps each tied
 weight's readers in one stage (``stage_dp.tables.tied_spans``); T5 also holds a graph
 constant (``get_attr``) that every pipeline stage makes itself.
@@ -56,24 +57,24 @@ def run_golden(name: str, opt: str = "adamw", **options):
     return plan
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_bert_sequence_classification_matches_eager():
     run_golden("hf_bert")
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.parametrize("name,opt", [("hf_gpt2", "adamw"), ("hf_llama", "adamw")])
 def test_causal_lm_matches_eager(name, opt):
     run_golden(name, opt)
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_bert_masked_lm_one_stage_matches_eager():
     """BertForMaskedLM ties its decoder to the word embeddings; one stage forced."""
     assert len(run_golden("hf_bert_mlm", "adam", pipeline=False).stages) == 1
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_t5_one_stage_matches_eager():
     """T5 with labels=, one stage and one microbatch (each device's whole step as one program)."""
     plan = run_golden("hf_t5", pipeline=False, num_microbatches=1)
@@ -91,8 +92,9 @@ def test_bert_masked_lm_automatic_plan():
     assert plan.options["num_stages"] is None and not plan.options["num_microbatches"]  # nothing forced
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("options", [{}, {"num_microbatches": 2}], ids=["automatic", "microbatches"])
+@pytest.mark.parametrize("options", [pytest.param({}, marks=pytest.mark.sweep),
+                                     pytest.param({"num_microbatches": 2}, marks=pytest.mark.slow)],
+                         ids=["automatic", "microbatches"])
 def test_t5_pipeline_engine(options):
     plan = run_golden("hf_t5", **options)
     if options:  # two microbatches: the pipelined programs (forward, backward, update) run
@@ -131,7 +133,7 @@ def run_hf_labels(model, cluster=(1, 2), param_atol=ATOL, **options):
     return plan
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.parametrize("attn", [None, "eager"], ids=["default_attention", "eager_attention"])
 def test_llama_labels_loss_matches_eager(attn):
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -144,7 +146,7 @@ def test_llama_labels_loss_matches_eager(attn):
     run_hf_labels(LlamaForCausalLM(cfg))
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_mixtral_router_aux_loss_matches_eager():
     """Mixtral's default 'grouped_mm' experts (float32 F.grouped_mm: decomposed at capture,
     alpa_torch/grouped_mm.py) and its load-balancing loss, a product of batch means

@@ -298,7 +298,7 @@ def test_synthetic_gpt_reduced_equals_direct(budget: str) -> None:
     assert _close(a.objective_s, b.objective_s), (a.objective_s, b.objective_s)
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_synthetic_gpt_24_layers() -> None:
     inst = synthetic_gpt_instance(24)
     sol = solve_instance(inst, mip_gap=0.0)

@@ -82,7 +82,7 @@ def test_meta_gpt_trains_like_init_weights_on_one_device():
 
 
 @pytest.mark.usefixtures("ray_session")
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_sharded_plan_initialises_and_reloads_only_its_slices(tmp_path):
     """A plan that splits weights and optimizer state over two devices: each worker initialises
     its slices; a checkpoint of that plan loads back tile by tile into a new step."""

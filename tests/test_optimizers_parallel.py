@@ -3,9 +3,11 @@
 Losses, parameters and, after ``sync``, the optimizer's state are compared over 3 steps.
 The optimizers a red team tried first (Muon, Adafactor, centered RMSprop with momentum,
 Adagrad, NAdam, RAdam with decoupled decay) run on ``Cluster.local(1, 2)`` in the default
-suite; every optimizer on 1x2 and 2x2, with its state sharded on a forced ZeRO-like plan,
-and Muon on a pipeline, are slow tests (CI runs them). ``test_optim.py`` checks the traced
-maths itself on one device.
+suite, Adafactor also with its state sharded on a forced ZeRO-like plan. AdamW, centered
+RMSprop and Muon on 2x2, and Muon on a pipeline, are slow tests (CI runs them); every other
+optimizer on 1x2, on 2x2 and with its state sharded is a sweep (``python -m pytest -m sweep
+tests/test_optimizers_parallel.py``, about 30 s each on 2 cores). ``test_optim.py`` checks the
+traced maths itself on one device.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from .test_optim import OPTIMIZERS, muon_pair, train_step, two_optimizer_step
 pytestmark = pytest.mark.usefixtures("ray_session")
 ATOL = 1e-5
 RED_TEAM = ["Muon", "Adafactor", "RMSprop-centered-momentum", "Adagrad", "NAdam-decoupled", "RAdam-decoupled"]
+ON_2X2_IN_CI = {"AdamW", "RMSprop-centered-momentum", "Muon"}
 
 
 def _net():
@@ -101,14 +104,14 @@ def test_red_team_optimizers_equal_eager_on_1x2(kind):
     run(kind, Cluster.local(1, 2))
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.parametrize("kind", [k for k in OPTIMIZERS if k not in RED_TEAM])
 def test_every_optimizer_equals_eager_on_1x2(kind):
     run(kind, Cluster.local(1, 2))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow if k in ON_2X2_IN_CI else pytest.mark.sweep)
+                                  for k in OPTIMIZERS])
 def test_every_optimizer_equals_eager_on_2x2(kind):
     run(kind, Cluster.local(2, 2))
 
@@ -119,7 +122,7 @@ def test_muon_on_a_pipeline():
     assert len(step.plan.stages) == 2
 
 
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k != "Adafactor" else k
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.sweep) if k != "Adafactor" else k
                                   for k in OPTIMIZERS if k != "SGD"])  # plain SGD keeps no state
 def test_every_optimizer_with_its_state_sharded(kind):
     """A ZeRO-like plan forced on 1x2: parameters replicated, every optimizer state tensor whose first

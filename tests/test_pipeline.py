@@ -95,14 +95,14 @@ UNEVEN = [[0, 0, [0], [1, 1]], [1, 1, [1], [1, 1]], [2, 2, [2, 3], [1, 2]]]
         ("gpt", 1, 2, TWO, 2, "1f1b", False),
         pytest.param("gpt", 2, 2, TWO_BY_DP2, 2, "gpipe", True, marks=pytest.mark.slow),  # 12-18 s each
         pytest.param("gpt", 2, 2, FOUR, 4, "1f1b", False, marks=pytest.mark.slow),
-        pytest.param("gpt", 2, 2, UNEVEN, 2, "1f1b", True, marks=pytest.mark.slow),
+        pytest.param("gpt", 2, 2, UNEVEN, 2, "1f1b", True, marks=pytest.mark.sweep),
         ("mlp", 1, 2, TWO, 1, "gpipe", False),
         ("mlp", 2, 2, TWO_BY_DP2, 4, "1f1b", True),
         ("gpt", 1, 2, TWO, 4, "zb-h1", False),
-        pytest.param("gpt", 1, 2, TWO, 2, "zb-h1", False, marks=pytest.mark.slow),
-        pytest.param("gpt", 1, 2, TWO, 8, "zb-h1", False, marks=pytest.mark.slow),
+        pytest.param("gpt", 1, 2, TWO, 2, "zb-h1", False, marks=pytest.mark.sweep),
+        pytest.param("gpt", 1, 2, TWO, 8, "zb-h1", False, marks=pytest.mark.sweep),
         pytest.param("gpt", 2, 2, TWO_BY_DP2, 4, "zb-h1", False, marks=pytest.mark.slow),
-        pytest.param("gpt", 2, 2, FOUR, 4, "zb-h1", False, marks=pytest.mark.slow),
+        pytest.param("gpt", 2, 2, FOUR, 4, "zb-h1", False, marks=pytest.mark.sweep),
     ],
     ids=["gpt-2stage-1f1b", "gpt-2stage-x-2dev-gpipe", "gpt-4stage-4mb", "gpt-uneven-submeshes",
          "mlp-2stage-1mb", "mlp-2stage-x-2dev-4mb", "gpt-2stage-zb-4mb", "gpt-2stage-zb-2mb", "gpt-2stage-zb-8mb",
@@ -114,7 +114,7 @@ def test_pipeline_matches_eager(name, hosts, devices, stages, microbatches, sche
 
 @pytest.mark.usefixtures("ray_session")
 @pytest.mark.parametrize("name,hosts,stages,schedule,dst_gather", [
-    ("gpt", 1, TWO, "1f1b", None), pytest.param("gpt", 1, TWO, "gpipe", None, marks=pytest.mark.slow),
+    ("gpt", 1, TWO, "1f1b", None), pytest.param("gpt", 1, TWO, "gpipe", None, marks=pytest.mark.sweep),
     pytest.param("mlp", 2, UNEVEN, "1f1b", True, marks=pytest.mark.slow)],
     ids=["gpt-2stage-1f1b", "gpt-2stage-gpipe", "mlp-uneven-gather"])
 def test_pipelines_equal_eager_with_every_message_tagged_alike(monkeypatch, name, hosts, stages, schedule,
@@ -132,7 +132,7 @@ def test_pipelines_equal_eager_with_every_message_tagged_alike(monkeypatch, name
 
 
 @pytest.mark.usefixtures("ray_session")
-@pytest.mark.parametrize("name", [pytest.param("gpt", marks=pytest.mark.slow), "mlp"])
+@pytest.mark.parametrize("name", [pytest.param("gpt", marks=pytest.mark.sweep), "mlp"])
 def test_two_stages_of_pure_data_parallel(name):
     """2 stages x data parallel 2: each stage splits its microbatch over its 2 devices."""
     run_pipeline(name, 2, 2, TWO_BY_DP2, 2, "1f1b", force_dp=True)

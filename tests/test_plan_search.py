@@ -255,7 +255,7 @@ def test_tightening_the_memory_rule_reuses_every_ilp(graph, layers):
     assert model.num_ilps == solved
 
 
-@pytest.mark.slow  # 40-50 s each on 2 cores; CI runs them
+@pytest.mark.sweep  # 40-90 s each on 2 cores
 @pytest.mark.parametrize("budget", [5e5, 8e5])
 def test_lean_ilps_are_solved_only_where_the_best_plan_needs_them(graph, layers, budget):
     """The search prices unsolved lean columns by lower bounds and solves the lean ILPs of the

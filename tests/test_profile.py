@@ -189,7 +189,7 @@ def test_profile_local_1x2(ray_session, tmp_path):
     assert mesh.peak_flops_per_s == profiled.device.flops_per_s("float32") and mesh.compute_efficiency == 1.0
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_profile_local_2x2_measures_both_links(ray_session):
     """Two 'hosts' of two devices: intra and inter groups both measured (4 workers: slow on 2 cores)."""
     profiled = profile_cluster(Cluster.local(2, 2), sizes_bytes=(4 * _KiB, 256 * _KiB, 8 * _MiB), repeats=3,

@@ -97,7 +97,7 @@ def test_mlp_tensor_parallel_matches_eager():
     assert _sharded_params(sharding) > 0, "the cheap-communication mesh should shard something"
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_gpt_2d_mesh_matches_eager():
     sharding = run_case("gpt", Cluster.local(2, 2), cheap_comm((2, 2)))
     assert _sharded_params(sharding) > 0
@@ -107,7 +107,7 @@ def test_cnn_batchnorm_sgd_matches_eager():
     run_case("cnn", Cluster.local(1, 2), cheap_comm((1, 2)), opt="sgd")
 
 
-@pytest.mark.parametrize("name,opt", [("gpt", "adamw"), pytest.param("cnn", "sgd", marks=pytest.mark.slow),
+@pytest.mark.parametrize("name,opt", [("gpt", "adamw"), pytest.param("cnn", "sgd", marks=pytest.mark.sweep),
                                       pytest.param("hf_gpt2", "adam", marks=pytest.mark.slow)])
 def test_automatic_plan_matches_eager(name, opt):
     """Whatever plan the planner picks on 2x2 devices trains exactly like eager."""
@@ -220,7 +220,7 @@ def _replay_counts(state):
             "local": sum(rp.call is not None for rp in runner.replay.values())}
 
 
-@pytest.mark.parametrize("name", [pytest.param("gpt", marks=pytest.mark.slow), "mlp"])
+@pytest.mark.parametrize("name", [pytest.param("gpt", marks=pytest.mark.sweep), "mlp"])
 def test_pure_data_parallel_on_2x2(name):
     """Batch split 4 ways, weights and optimizer state replicated: gradients all-reduced.
     After the first step nearly every operator runs as a plain kernel on local shards
@@ -291,7 +291,7 @@ def test_local_call_follows_dtensor_rules():
                         "equal (scalar result)": False, "add_ (mutating)": False}] * 4
 
 
-@pytest.mark.parametrize("name", [pytest.param("gpt", marks=pytest.mark.slow), "mlp"])
+@pytest.mark.parametrize("name", [pytest.param("gpt", marks=pytest.mark.sweep), "mlp"])
 def test_pure_tensor_parallel_on_2x2(name):
     """Batch replicated; with cheap collectives the ILP shards the weights 4 ways."""
     graph = _graph(name)
@@ -376,7 +376,7 @@ def _small_buckets(state) -> bool:
     return True
 
 
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.sweep)])
 def test_bucket_reductions_start_where_their_gradients_are_computed(compiled):
     """The capture places every gradient marker after the whole backward. The replayed step hands
     each bucket to its all-reduce right after its last gradient is computed
@@ -397,7 +397,7 @@ def test_bucket_reductions_start_where_their_gradients_are_computed(compiled):
         assert 4 <= rank["collected_at"] < rank["bucketed"], rank
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_2d_data_parallel_gradients_are_bucketed():
     """Pure data parallelism on the 2-D mesh (2, 2): every gradient the plan reduces (partial
     over both axes, some in two steps) goes through the buckets, one all-reduce of all 4 ranks

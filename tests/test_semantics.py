@@ -131,7 +131,7 @@ class Pair(NamedTuple):
     y: torch.Tensor
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_dataclass_and_named_tuple_batches():
     def step_dc(model, optimizer, batch):
         optimizer.zero_grad()

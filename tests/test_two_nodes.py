@@ -3,8 +3,9 @@
 ``cluster_from_ray`` finds it as 2 hosts; the zoo GPT trains on it with the automatic plan
 and with forced plans that cross hosts (a pipeline with one stage per host; data parallel
 across hosts), its workers run on both nodes, and every loss and parameter equals eager
-training. Ray job submission to the same two-node cluster runs the demo. Slow (two Ray
-nodes start on two cores): ``python -m pytest -m slow tests/test_two_nodes.py``; CI runs it.
+training. Slow (two Ray nodes start on two cores): ``python -m pytest -m slow tests/test_two_nodes.py``;
+CI runs it. Ray job submission of the demo to the same two-node cluster is a sweep (``-m sweep``):
+``tests/test_quickstart.py`` submits its job to such a cluster in CI.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import torch
 from tests.conftest import two_ray_nodes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = pytest.mark.slow
 
 
 def _free_port() -> int:
@@ -64,6 +64,7 @@ def _train(cluster, **options):
     return plan, nodes
 
 
+@pytest.mark.slow
 def test_two_nodes_are_two_hosts_and_train_like_eager(two_nodes):
     from runtime.discovery import cluster_from_ray
 
@@ -77,6 +78,7 @@ def test_two_nodes_are_two_hosts_and_train_like_eager(two_nodes):
     assert data_parallel.stages[0].device_ids == (0, 1) and len(nodes) == 2
 
 
+@pytest.mark.sweep
 def test_ray_job_submission_to_two_nodes(two_nodes):
     _, dash = two_nodes
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}

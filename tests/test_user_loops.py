@@ -7,7 +7,8 @@
 - an EMA of the weights updated after every step;
 - a validation loop with BatchNorm in eval mode, on the driver and with ``step.evaluate``.
 
-Each on ``Cluster.local(1, 2)``; the 2x2 runs are slow tests (CI runs them).
+Each on ``Cluster.local(1, 2)`` (nanoGPT's, resumed in a fresh process, as a slow test: CI runs it);
+the 2x2 runs are a sweep (``python -m pytest -m sweep tests/test_user_loops.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from . import user_loops as nano
 pytestmark = pytest.mark.usefixtures("ray_session")
 ATOL = 1e-5
 REPO = Path(__file__).resolve().parents[1]
-CLUSTERS = [(1, 2), pytest.param((2, 2), marks=pytest.mark.slow)]
+CLUSTERS = [(1, 2), pytest.param((2, 2), marks=pytest.mark.sweep)]
 
 
 def _close(a: dict, b: dict) -> None:
@@ -48,8 +49,7 @@ def _resumed_in_a_fresh_process(checkpoint: Path, cluster, iters: int) -> dict:
     return torch.load(out, weights_only=False)
 
 
-@pytest.mark.parametrize("cluster", CLUSTERS)
-@pytest.mark.slow
+@pytest.mark.parametrize("cluster", [pytest.param((1, 2), marks=pytest.mark.slow), CLUSTERS[1]])
 def test_nanogpt_loop_with_evaluation_and_a_checkpoint_resumed_elsewhere(cluster, tmp_path):
     eager, eager_opt = nano.make_model_and_optimizer()
     model, optimizer = nano.make_model_and_optimizer()
