@@ -43,6 +43,12 @@ _GRACEFUL_S = 5.0
 _FAILURE_GRACE_S = 2.0
 # How long shutdown waits for worker processes on this machine to exit.
 _EXIT_WAIT_S = 10.0
+# How long clearing a kept group's workers (DeviceWorker.clear) or asking a kept group's workers
+# whether they are alive may take before the group is shut down instead.
+_KEEP_CHECK_S = 30.0
+# A worker holding more process groups than this is not kept: each deployment's meshes add groups
+# that stay (DeviceWorker.clear), each with its sockets and threads.
+_KEEP_MAX_GROUPS = 128
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,6 +60,30 @@ class WorkerInfo:
     pid: int
     hostname: str
     node_ip: str
+
+
+KEEP_WORKERS_ENV = "ALPA_TORCH_KEEP_WORKERS"
+"""``ALPA_TORCH_KEEP_WORKERS=1`` in the driver's environment: a group shut down cleanly on a Ray it
+did not start keeps its workers, cleared of every deployment (``DeviceWorker.clear``), with their
+process group and their Ray reservation, and the next ``WorkerGroup.start`` in this process for the
+same cluster, Ray and worker environment takes them instead of starting new ones (starting and
+joining a 1x2 group's workers takes 4-7 s on 2 cores). One group is kept at most: a start for
+another cluster shuts it down first, so it never holds resources a new group waits for; Ray ends
+it with this process's job. For many short runs on one cluster (the tests set it); off by default,
+since kept workers hold their devices after ``close()``."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Kept:
+    """A group's workers kept for the next start with the same ``key`` (``KEEP_WORKERS_ENV``)."""
+
+    key: tuple
+    actors: list[Any]
+    pg: PlacementGroup
+    infos: list[WorkerInfo]
+
+
+_kept: _Kept | None = None
 
 
 class WorkerGroup:
@@ -70,6 +100,9 @@ class WorkerGroup:
         self._actors: list[Any] = []
         self._pg: PlacementGroup | None = None
         self._closed_reason: str | None = None
+        self._key: tuple | None = None
+        """What a kept group must match to be taken (``KEEP_WORKERS_ENV``): cluster, Ray job, worker
+        environment, collective timeout."""
 
     # ------------------------------------------------------------------ start
     @classmethod
@@ -89,9 +122,14 @@ class WorkerGroup:
         group.startup_s["ray"] = time.perf_counter() - t0
         try:
             plan = plan_resources(cluster, alive_nodes())
-            group._reserve(plan, timeout_s if reserve_timeout_s is None else reserve_timeout_s)
-            group._start_actors(plan, timeout_s)
-            group._init_process_group(timeout_s, collective_timeout_s)
+            threads = cluster.threads_per_device
+            env = actor_env(threads, oversubscribed=plan.cpus_per_device < threads)
+            group._key = (cluster, ray.get_runtime_context().get_job_id(), tuple(sorted(env.items())),
+                          collective_timeout_s)
+            if not group._take_kept():
+                group._reserve(plan, timeout_s if reserve_timeout_s is None else reserve_timeout_s)
+                group._start_actors(plan, env, timeout_s)
+                group._init_process_group(timeout_s, collective_timeout_s)
         except BaseException:
             group.shutdown(graceful=False)
             raise
@@ -110,10 +148,34 @@ class WorkerGroup:
                 "cluster, or give Ray more CPUs/GPUs.")
         self.startup_s["placement"] = time.perf_counter() - t0
 
-    def _start_actors(self, plan: ResourcePlan, timeout_s: float) -> None:
+    def _take_kept(self) -> bool:
+        """Take the kept group's workers if they were kept for this group's key, keeping is on and they
+        all answer (``KEEP_WORKERS_ENV``); shut a kept group on this Ray down otherwise. Whether they
+        were taken."""
+        global _kept
+        kept, _kept = _kept, None
+        if kept is None:
+            return False
+        t0 = time.perf_counter()
+        if kept.key == self._key and _keeping():
+            self._actors, self._pg, self.infos = kept.actors, kept.pg, kept.infos
+            try:
+                self._gather([a.ping.remote() for a in self._actors], range(len(self._actors)), _KEEP_CHECK_S,
+                             "a kept worker's ping")
+            except WorkerError as exc:
+                logger.info("kept workers not taken: %s", _first_lines(exc))
+                _stop(kept.actors, kept.pg, kept.infos)
+                self._actors, self._pg, self.infos = [], None, []
+                return False
+            self.startup_s["kept"] = time.perf_counter() - t0
+            return True
+        if kept.key[1] == self._key[1]:  # on the same Ray: its resources are freed for this group
+            _stop(kept.actors, kept.pg, kept.infos)
+        return False
+
+    def _start_actors(self, plan: ResourcePlan, env: dict[str, str], timeout_s: float) -> None:
         t0 = time.perf_counter()
         c = self.cluster
-        env = actor_env(c.threads_per_device, oversubscribed=plan.cpus_per_device < c.threads_per_device)
         for rank in range(c.num_devices):
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=self._pg, placement_group_bundle_index=plan.bundle_index(rank, c.devices_per_host))
@@ -289,21 +351,37 @@ class WorkerGroup:
         if self._closed_reason is not None:
             return
         self._closed_reason = reason.splitlines()[0]
+        if graceful and self._keep():
+            return
         if ray.is_initialized():
             if graceful and self._actors:
                 ray.wait([a.shutdown.remote() for a in self._actors], num_returns=len(self._actors),
                          timeout=_GRACEFUL_S)
-            for actor in self._actors:
-                try:
-                    ray.kill(actor, no_restart=True)
-                except Exception as exc:  # noqa: BLE001 (already dead is fine)
-                    logger.debug("ray.kill: %s", exc)
-            if self._pg is not None:
-                remove_placement_group(self._pg)
-            _wait_exit([i.pid for i in self.infos if i.hostname == socket.gethostname()], _EXIT_WAIT_S)
+            _stop(self._actors, self._pg, self.infos)
             if self._started_ray:
                 stop_ray()
         self._actors, self._pg = [], None
+
+    def _keep(self) -> bool:
+        """Keep this group's workers for the next start (``KEEP_WORKERS_ENV``) if it is on, this group
+        did not start Ray, and every worker clears its state; whether they were kept."""
+        global _kept
+        if not _keeping() or self._started_ray or not self._actors or self._key is None or not ray.is_initialized():
+            return False
+        try:
+            groups = self._gather([a.clear.remote() for a in self._actors], range(len(self._actors)),
+                                  _KEEP_CHECK_S, "clearing the workers to keep them")
+        except WorkerError as exc:
+            logger.warning("workers not kept: %s", _first_lines(exc))
+            return False
+        if max(groups) > _KEEP_MAX_GROUPS:
+            logger.info("workers not kept: they hold %d process groups (at most %d)", max(groups), _KEEP_MAX_GROUPS)
+            return False
+        if _kept is not None:
+            _stop(_kept.actors, _kept.pg, _kept.infos)
+        _kept = _Kept(self._key, self._actors, self._pg, self.infos)
+        self._actors, self._pg = [], None
+        return True
 
     def __enter__(self) -> WorkerGroup:
         return self
@@ -314,6 +392,24 @@ class WorkerGroup:
     def __repr__(self) -> str:
         state = "open" if self._closed_reason is None else "shut down"
         return f"WorkerGroup({self._shape()}, {self.cluster.backend}, {state}, pids={self.pids()})"
+
+
+def _keeping() -> bool:
+    """Whether ``KEEP_WORKERS_ENV`` is on in this process's environment."""
+    return os.environ.get(KEEP_WORKERS_ENV, "0") not in ("", "0")
+
+
+def _stop(actors: list[Any], pg: PlacementGroup | None, infos: list[WorkerInfo]) -> None:
+    """Kill the workers ``actors``, free their reservation ``pg`` and wait for their processes on this
+    machine to exit."""
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception as exc:  # noqa: BLE001 (already dead is fine)
+            logger.debug("ray.kill: %s", exc)
+    if pg is not None:
+        remove_placement_group(pg)
+    _wait_exit([i.pid for i in infos if i.hostname == socket.gethostname()], _EXIT_WAIT_S)
 
 
 def _put_once(value: Any) -> bool:

@@ -43,13 +43,16 @@ import torch
 import torch.distributed as dist
 from ray import cloudpickle
 
-from .device_memory import started_bytes
+from .device_memory import release_freed, started_bytes
 from .switches import WORKER_SWITCHES
 from .wire import to_wire
 
 logger = logging.getLogger(__name__)
 
 WorkerFn = Callable[..., Any]
+
+_OWN_KEYS = ("rank", "host_index", "device", "world_size")
+"""``state`` entries a worker sets for itself, which ``DeviceWorker.clear`` keeps."""
 
 
 def to_numpy(value: Any) -> Any:
@@ -153,6 +156,26 @@ class DeviceWorker:
         if call.error is not None:
             raise StepRestError(f"the previous call failed after it had answered (its loss was already returned): "
                                 f"{type(call.error).__name__}: {call.error}") from call.error
+
+    def clear(self) -> int:
+        """Forget every deployment, as if this worker had just joined its process group: finish the
+        last call (raising its error), drop every ``state`` entry but the worker's own (``rank``,
+        ``host_index``, ``device``, ``world_size``), give the freed memory back and count the plans'
+        peaks from here (``memory_started``). A kept group (``group.KEEP_WORKERS_ENV``) is cleared so.
+        Returns how many process groups besides the world's this process holds: a deployment's meshes
+        make new ones each time, and they stay (destroying them made a later deployment of the same
+        meshes fail: "Could not resolve the process group registered under the name 6", something of
+        torch's still naming a destroyed group)."""
+        import gc
+
+        self._finish_rest()
+        for key in [k for k in self.state if k not in _OWN_KEYS]:
+            del self.state[key]
+        gc.collect()
+        release_freed(self.state["device"])
+        self.state["memory_started"] = started_bytes(self.state["device"])
+        world = dist.group.WORLD if dist.is_initialized() else None
+        return sum(g is not world for g in dist.distributed_c10d._world.pg_map)
 
     def shutdown(self) -> bool:
         """Finish the last call, leave the process group (the actor itself is killed by the group)."""

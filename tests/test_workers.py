@@ -16,7 +16,7 @@ import pytest
 
 from alpa_torch.core.cluster import Cluster
 from alpa_torch.core.errors import ClusterSpecError, WorkerError
-from runtime.group import WorkerGroup, _alive
+from runtime.group import KEEP_WORKERS_ENV, WorkerGroup, _alive
 from runtime.ray_env import _configure_token_auth, alive_nodes, plan_resources
 
 
@@ -39,8 +39,10 @@ def _wait_gone(pids, timeout_s=10.0):
 
 @pytest.fixture(scope="module")
 def group(ray_session):
-    with WorkerGroup.start(Cluster.local(1, 2), timeout_s=120) as g:
-        yield g
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(KEEP_WORKERS_ENV, raising=False)  # the tests keep workers (conftest.py); a user's group does not
+        with WorkerGroup.start(Cluster.local(1, 2), timeout_s=120) as g:
+            yield g
     assert _wait_gone(g.pids()) == [], "worker processes outlived shutdown()"
 
 
@@ -104,6 +106,55 @@ def test_error_in_callable_names_rank_and_shuts_down(ray_session):
     with pytest.raises(WorkerError, match="shut down"):
         g.call_all(fail_on_rank_1)
     assert _wait_gone(pids) == []
+
+
+def test_kept_workers_are_taken_cleared_by_the_next_start_of_the_same_cluster(ray_session, monkeypatch):
+    monkeypatch.setenv(KEEP_WORKERS_ENV, "1")
+
+    def deploy(state):  # what a deployment leaves: state entries and a running rest
+        state["program"] = object()
+
+    def left(state):
+        return sorted(state)
+
+    first = WorkerGroup.start(Cluster.local(1, 2), timeout_s=120)
+    pids = first.pids()
+    first.call_all(deploy)
+    first.call_all(lambda state, *, answer: answer(state["rank"]), answer_early=True)
+    first.shutdown()
+    with pytest.raises(WorkerError, match="shut down"):  # the old handle is closed, as without keeping
+        first.call_all(left)
+    assert all(_alive(p) for p in pids)
+
+    second = WorkerGroup.start(Cluster.local(1, 2), timeout_s=120)
+    try:
+        assert second.pids() == pids and "kept" in second.startup_s and "actors" not in second.startup_s
+        own = ["device", "host_index", "memory_started", "rank", "world_size"]
+        assert second.call_all(left) == [own] * 2
+        np.testing.assert_array_equal(second.call_all(_all_reduce_rank_plus_one)[0], np.full(4, 3.0))
+    finally:
+        second.shutdown()
+    with WorkerGroup.start(Cluster.local(1, 1), timeout_s=120) as other:  # another cluster: a new worker
+        assert other.pids()[0] not in pids and "actors" in other.startup_s
+        assert _wait_gone(pids) == [], "the kept workers were shut down for the other cluster"
+    monkeypatch.delenv(KEEP_WORKERS_ENV)
+    with WorkerGroup.start(Cluster.local(1, 1), timeout_s=120) as fresh:  # not kept, not taken
+        assert "actors" in fresh.startup_s
+    assert _wait_gone(fresh.pids()) == []
+
+
+def test_workers_holding_too_many_process_groups_are_not_kept(ray_session, monkeypatch):
+    monkeypatch.setenv(KEEP_WORKERS_ENV, "1")
+    monkeypatch.setattr("runtime.group._KEEP_MAX_GROUPS", 2)
+
+    def make_groups(state, n):
+        import torch.distributed as dist
+
+        state["groups"] = [dist.new_group([0, 1]) for _ in range(n)]
+
+    with WorkerGroup.start(Cluster.local(1, 2), timeout_s=120) as g:
+        g.call_all(make_groups, 3)
+    assert _wait_gone(g.pids()) == []
 
 
 def test_an_early_answer_returns_before_the_rest_and_the_next_call_waits_for_it():
