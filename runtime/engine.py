@@ -36,8 +36,8 @@ from alpa_torch.core.sharding import StageSharding
 
 from .device_memory import keep_freed_memory, peak_bytes, release_freed
 from .group import WorkerGroup
-from .interpreter import serialize_graph
 from .loss_parts import total_loss
+from .program import graph_bytes
 from .state_sources import Values
 from .switches import EARLY_ANSWER_ENV, switch_on
 from .wire import from_wire, to_wire_dict
@@ -218,7 +218,7 @@ class Engine:
         if self.pipelined:
             self._pipeline_setup(setup, stage_of, schedule, cluster, dst_gather)
         t0 = time.perf_counter()
-        group.call_all(_install, pickle.dumps(serialize_graph(graph.gm)), setup,
+        group.call_all(_install, graph_bytes(graph.gm), setup,
                        per_rank_args=[(self.stage_of_rank[r],) for r in range(group.world_size)])
         log.info("deployed %d stage(s), %d microbatch(es) (%s) in %.2f s", len(self.stages), num_microbatches,
                  schedule, time.perf_counter() - t0)

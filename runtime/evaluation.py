@@ -27,7 +27,7 @@ import pickle
 from alpa_torch.core.sharding import StageSharding
 
 from .group import WorkerGroup
-from .interpreter import serialize_graph
+from .program import graph_bytes
 from .resharding import MeshPlacement
 from .state_moves import Move
 
@@ -119,7 +119,7 @@ class EvalEngine:
                  "state": state, "seed": seed}
         if state == "moved":
             setup.update(self._moves(graph, d["value_specs"], tuple(sharding.mesh_shape), train_stages))
-        group.call_all(_install_eval, key, pickle.dumps(serialize_graph(graph.gm)), setup)
+        group.call_all(_install_eval, key, graph_bytes(graph.gm), setup)
 
     @staticmethod
     def _moves(graph, value_specs: dict, shape: tuple[int, int], train_stages: list[tuple]) -> dict:

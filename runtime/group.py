@@ -70,7 +70,7 @@ same cluster, Ray and worker environment takes them instead of starting new ones
 joining a 1x2 group's workers takes 4-7 s on 2 cores). One group is kept at most: a start for
 another cluster shuts it down first, so it never holds resources a new group waits for; Ray ends
 it with this process's job. For many short runs on one cluster (the tests set it); off by default,
-since kept workers hold their devices after ``close()``."""
+since kept workers hold their devices after ``shutdown()``."""
 
 
 @dataclass(frozen=True, slots=True)

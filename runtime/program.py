@@ -22,7 +22,10 @@ to another record's value.
 
 from __future__ import annotations
 
+import copyreg
+import io
 import operator
+import pickle
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -218,6 +221,28 @@ def serialize_graph(gm: fx.GraphModule) -> list[tuple]:
             target, args = n.target, (getattr(gm, n.target).detach().clone(),)
         records.append((n.op, n.name, target, args, kwargs, tuple(a.name for a in n.all_input_nodes)))
     return records
+
+
+def graph_bytes(gm: fx.GraphModule) -> bytes:
+    """``serialize_graph(gm)`` pickled for a worker, each memory format (``torch.preserve_format``) by its
+    name in ``torch``. Pickle looks a memory format up by its dotted name ``torch.preserve_format`` in
+    every loaded module, and a script that imports ray before torch has ``__mp_main__``, that is itself,
+    first among them: the bytes then named the driver's script, and the worker failed to load them
+    ("Can't get attribute 'torch.preserve_format' on <module '__main__'>")."""
+    buf = io.BytesIO()
+    pickler = pickle.Pickler(buf)
+    pickler.dispatch_table = copyreg.dispatch_table | {torch.memory_format: _reduce_memory_format}
+    pickler.dump(serialize_graph(gm))
+    return buf.getvalue()
+
+
+def _reduce_memory_format(value: torch.memory_format) -> tuple:
+    return _torch_attribute, (str(value).removeprefix("torch."),)
+
+
+def _torch_attribute(name: str) -> Any:
+    """``torch.<name>``: how a worker loads a memory format ``graph_bytes`` pickled."""
+    return getattr(torch, name)
 
 
 def record_target(t):

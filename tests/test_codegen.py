@@ -370,3 +370,31 @@ def test_regions_of_the_same_kernels_on_the_same_layouts_share_one_artifact(tmp_
     assert first.inputs != second.inputs and first.graph().code == second.graph().code
     assert (first.loaded, second.loaded) == (False, True) and len(list(tmp_path.glob("*.bin"))) == 1
     assert second._artifact is first._artifact  # the live one is taken: not even loaded again
+
+
+def test_a_graph_pickles_without_naming_the_drivers_script(tmp_path):
+    """``program.graph_bytes``: a script that imports ray before torch has itself (``__mp_main__``) first
+    among the modules pickle searches for ``torch.preserve_format``; plain pickle (Python 3.11) then
+    names the script, which a worker cannot load. Run as a user's script, in a process of its own."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import ray  # noqa: F401 - first, as in a Ray script\n"
+        "import pickle\n"
+        "import torch\n"
+        "from torch import fx\n"
+        "from runtime.program import graph_bytes\n"
+        "g = fx.Graph()\n"
+        "x = g.placeholder('x')\n"
+        "g.output(g.call_function(torch.ops.aten.clone.default, (x,), {'memory_format': torch.preserve_format}))\n"
+        "data = graph_bytes(fx.GraphModule({}, g))\n"
+        "print(b'main__' in data, pickle.loads(data)[1][4]['memory_format'] is torch.preserve_format)\n")
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         cwd=str(tmp_path), env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True"]
