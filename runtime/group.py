@@ -94,7 +94,7 @@ class WorkerGroup:
         self.call_timeout_s = call_timeout_s
         """Default limit of ``call_all`` / ``call``, seconds."""
         self.startup_s: dict[str, float] = {}
-        """Seconds per start-up phase: ray, placement, actors, process_group."""
+        """Seconds per start-up phase: ray, placement, actors, process_group; or ray, kept (``KEEP_WORKERS_ENV``)."""
         self.infos: list[WorkerInfo] = []
         self._started_ray = started_ray
         self._actors: list[Any] = []
