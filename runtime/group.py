@@ -158,17 +158,15 @@ class WorkerGroup:
             return False
         t0 = time.perf_counter()
         if kept.key == self._key and _keeping():
-            self._actors, self._pg, self.infos = kept.actors, kept.pg, kept.infos
             try:
-                self._gather([a.ping.remote() for a in self._actors], range(len(self._actors)), _KEEP_CHECK_S,
+                self._gather([a.ping.remote() for a in kept.actors], range(len(kept.actors)), _KEEP_CHECK_S,
                              "a kept worker's ping")
             except WorkerError as exc:
                 logger.info("kept workers not taken: %s", _first_lines(exc))
-                _stop(kept.actors, kept.pg, kept.infos)
-                self._actors, self._pg, self.infos = [], None, []
-                return False
-            self.startup_s["kept"] = time.perf_counter() - t0
-            return True
+            else:
+                self._actors, self._pg, self.infos = kept.actors, kept.pg, kept.infos
+                self.startup_s["kept"] = time.perf_counter() - t0
+                return True
         if kept.key[1] == self._key[1]:  # on the same Ray: its resources are freed for this group
             _stop(kept.actors, kept.pg, kept.infos)
         return False
